@@ -1,0 +1,228 @@
+"""The array backend protocol: the small set of fused operations an architecture module calls.
+
+An architecture module (engine/arch/*.py) describes a forward pass as a sequence of calls on a `Backend`;
+the same code runs on NumPy (engine/backend_numpy.py) and CuPy (engine/backend_cupy.py).
+
+Conventions every backend follows:
+
+- Destination passing. Ops write into caller-owned `out=` arrays and return None (except `sample`).
+  Activations live in a workspace the caller allocates once per model with `empty` for the largest prompt
+  chunk; a chunk of n tokens uses views `buf[:n]`. Nothing in an op allocates memory the caller sees, so
+  the GPU backend can capture one decode step in a CUDA graph and replay it (`compile_step`).
+- Dtypes. Activations, norm weights and logits are float32. Token ids and positions are int32. The KV
+  cache dtype is the backend's choice (float16 on the GPU, float32 on the CPU); ops convert on write/read.
+- Shapes are written in row-major (NumPy) order. A weight W of shape (m, k) is GGUF's ne = [k, m]: each of
+  its m rows holds k values and `linear` computes x @ W.T.
+- Positions come in as a backend array `start` of shape (1,) int32: the position of the first token of the
+  chunk (= number of tokens already in the KV cache). Token i of the chunk sits at position start[0] + i.
+  Keeping it in device memory lets a captured graph replay at every position; the host writes it with
+  `copy_into` before each step.
+- "Array" below means the backend's array type (numpy.ndarray or cupy.ndarray). Inputs may be views;
+  `out` is always a C-contiguous array or a leading-rows view `buf[:n]` of one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+import numpy as np
+
+from engine.gguf_file import GGUFTensor
+
+Array = Any
+
+ROPE_NORMAL = "normal"  # rotate adjacent pairs (x[2i], x[2i+1]): llama GGUF, whose Q/K rows are permuted for it
+ROPE_NEOX = "neox"  # rotate halves (x[i], x[i + rot_dim/2]): qwen2/qwen3/gemma3
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How `Backend.sample` picks a token. Applied in this order (the order Hugging Face uses):
+
+    1. repeat_penalty (1.0 = off): for every distinct id in `recent_tokens`, a logit > 0 is divided by it,
+       a logit <= 0 multiplied by it.
+    2. temperature <= 0: return the argmax (lowest id on ties); nothing below applies.
+    3. logits / temperature.
+    4. top_k > 0: keep the k highest logits (ties broken by lower id first).
+    5. softmax over the kept tokens; top_p < 1: keep the smallest prefix, in descending probability, whose
+       probability sum is >= top_p (always at least one token).
+    6. min_p > 0: keep tokens whose probability is >= min_p * the highest probability.
+    7. renormalize; with the kept tokens sorted by descending probability (ties: lower id first) and c their
+       cumulative sum, return the first token whose c > uniform * c[-1].
+    """
+
+    temperature: float = 0.7
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+
+
+class WeightHandle(Protocol):
+    """A weight tensor after `Backend.upload`. The backend decides how it is stored (quantized bytes on
+    the GPU, float32 on the CPU); callers only pass it back into ops."""
+
+    name: str
+    shape: tuple[int, ...]  # row-major logical shape, e.g. (m, k) for a matrix, (k,) for a norm weight
+    nbytes: int  # bytes the stored form takes in the backend's memory
+
+
+class RopeTable(Protocol):
+    """Rotary cos/sin for positions [0, max_positions) made by `Backend.rope_table`."""
+
+    rot_dim: int  # number of leading dims of each head that rotate (== head_dim for full rotary)
+    max_positions: int
+
+
+class KVCache(Protocol):
+    """Keys and values of every layer, made by `Backend.kv_cache`.
+
+    Layout: `k` and `v` have shape (n_layers, n_kv_heads, max_tokens, head_dim) and dtype `dtype`. Only
+    `rope_store_kv` writes them and only `attention` reads them; the positions in use are the caller's
+    bookkeeping (the cache does not know its own length).
+    """
+
+    k: Array
+    v: Array
+    n_layers: int
+    n_kv_heads: int
+    head_dim: int
+    max_tokens: int
+    dtype: np.dtype
+    nbytes: int
+
+
+class Backend(Protocol):
+    """The operations an architecture module may call. See the module docstring for conventions."""
+
+    name: str  # "numpy" or "cupy"
+
+    # ---- memory -------------------------------------------------------------------------------------
+
+    def empty(self, shape: tuple[int, ...], dtype: Any = np.float32) -> Array:
+        """A new uninitialized C-contiguous array in backend memory."""
+
+    def copy_into(self, dst: Array, src: np.ndarray) -> None:
+        """Copy host array `src` into backend array `dst` of the same shape (converting dtype). Used to set
+        the token ids and `start` of the next step without changing the buffers a graph captured."""
+
+    def to_host(self, x: Array) -> np.ndarray:
+        """A host NumPy copy of `x` (waits for pending work on the GPU)."""
+
+    def upload(self, tensor: GGUFTensor) -> WeightHandle:
+        """Take a tensor from the GGUF file (its raw bytes, GGML type and logical shape) into backend memory.
+
+        Must accept at least F32, F16, BF16, Q4_0, Q4_1, Q8_0 and the K-quants Q4_K, Q5_K, Q6_K; raises
+        EngineError naming the tensor and its type otherwise.
+        """
+
+    def rope_table(self, inv_freq: np.ndarray, max_positions: int, attn_factor: float = 1.0) -> RopeTable:
+        """Precompute rotary tables: angle[p, i] = p * inv_freq[i] for p < max_positions, i < rot_dim/2;
+        cos and sin of it, each multiplied by attn_factor. `inv_freq` is float32 (rot_dim/2,), computed by
+        the architecture (it folds in base, any rope_freqs tensor or frequency scaling)."""
+
+    def kv_cache(self, n_layers: int, n_kv_heads: int, head_dim: int, max_tokens: int) -> KVCache:
+        """Allocate the KV cache (see `KVCache` for the layout)."""
+
+    def memory_in_use(self) -> dict[str, int]:
+        """{"host_bytes": ..., "device_bytes": ...} held by this backend's uploads, caches and workspaces."""
+
+    def synchronize(self) -> None:
+        """Wait until all queued work is done (no-op on the CPU)."""
+
+    def compile_step(self, step: Callable[[], None]) -> Callable[[], None]:
+        """Return a callable with the same effect as `step`. `step` must only call ops on fixed buffers
+        (its inputs set with `copy_into` beforehand), so the GPU backend may capture it as a CUDA graph on
+        the first call and replay it afterwards. The NumPy backend returns `step` itself."""
+
+    def close(self) -> None:
+        """Free everything this backend allocated. Safe to call twice."""
+
+    # ---- ops ----------------------------------------------------------------------------------------
+
+    def embed(self, table: WeightHandle, tokens: Array, out: Array, scale: float = 1.0) -> None:
+        """out[i, :] = table[tokens[i], :] * scale.
+
+        table: (vocab, d) any supported type; tokens: (n,) int32; out: (n, d) float32.
+        """
+
+    def rms_norm(self, x: Array, weight: WeightHandle, eps: float, out: Array) -> None:
+        """out = x / sqrt(mean(x**2, axis=-1) + eps) * weight, over the last axis.
+
+        x: (..., d) float32 (e.g. (n, d), or (n, heads, head_dim) for per-head q/k norms); weight: (d,);
+        out: same shape as x, may be x itself (in place).
+        """
+
+    def add_rms_norm(self, x: Array, residual: Array, weight: WeightHandle, eps: float, out: Array) -> None:
+        """Residual add fused with the next norm: residual += x, then out = rms_norm(residual) * weight.
+
+        x, residual, out: (n, d) float32; residual is updated in place; out must not alias x or residual.
+        """
+
+    def linear(self, x: Array, weight: WeightHandle, out: Array, bias: WeightHandle | None = None) -> None:
+        """out = x @ weight.T (+ bias).
+
+        x: (n, k) float32; weight: (m, k) any supported type; bias: (m,) or None; out: (n, m) float32,
+        must not alias x.
+        """
+
+    def gated_ffn(
+        self,
+        x: Array,
+        gate: WeightHandle,
+        up: WeightHandle,
+        out: Array,
+        scratch: Array,
+        activation: str = "silu",
+    ) -> None:
+        """out = act(x @ gate.T) * (x @ up.T): SwiGLU (activation "silu") or GeGLU ("gelu_tanh").
+
+        x: (n, k) float32; gate, up: (f, k); out, scratch: (n, f) float32. `scratch` is working space whose
+        contents afterwards are unspecified; neither may alias x.
+        """
+
+    def rope_store_kv(
+        self,
+        q: Array,
+        k: Array,
+        v: Array,
+        rope: RopeTable,
+        style: str,
+        cache: KVCache,
+        layer: int,
+        start: Array,
+    ) -> None:
+        """Rotate q and k in place for positions start[0] + i, then store k and v in the cache.
+
+        q: (n, n_heads, head_dim) float32; k, v: (n, n_kv_heads, head_dim) float32 (views into the
+        projection outputs are fine). Only the first rope.rot_dim dims of each head rotate. style is
+        ROPE_NORMAL (pairs (2j, 2j+1) rotate by angle j) or ROPE_NEOX (pairs (j, j + rot_dim/2)):
+            (a, b) -> (a*cos - b*sin, a*sin + b*cos).
+        Afterwards cache.k[layer, :, start+i, :] = rotated k[i], cache.v[layer, :, start+i, :] = v[i].
+        The caller guarantees start[0] + n <= min(cache.max_tokens, rope.max_positions).
+        """
+
+    def attention(
+        self,
+        q: Array,
+        cache: KVCache,
+        layer: int,
+        start: Array,
+        out: Array,
+        scale: float,
+        window: int = 0,
+    ) -> None:
+        """Causal grouped-query attention of a chunk over the cache.
+
+        q: (n, n_heads, head_dim) float32, already rotated; query i sits at position p = start[0] + i and
+        attends to cache positions j with j <= p (and j > p - window when window > 0, a sliding window).
+        n_heads must be a multiple of cache.n_kv_heads; query head h uses KV head h // (n_heads //
+        n_kv_heads). Scores are (q . k) * scale, softmax in float32.
+        out: (n, n_heads * head_dim) float32, head-major (head h in columns [h*head_dim, (h+1)*head_dim)).
+        """
+
+    def sample(self, logits: Array, params: SamplingParams, recent_tokens: np.ndarray, uniform: float) -> int:
+        """Pick the next token id from logits (vocab,) float32 as `SamplingParams` describes and return it to
+        the host. recent_tokens: host int32 array of the ids the repeat penalty applies to (may be empty);
+        uniform: a number in [0, 1) drawn by the caller's seeded generator. Does not modify logits."""
