@@ -3,7 +3,7 @@
 A quantized row is a run of fixed-size blocks; each block holds `elements` values in `bytes` bytes. Every
 dequantizer here takes all blocks of a tensor at once as a (n_blocks, bytes) uint8 array and returns
 (n_blocks, elements) float32, doing the float arithmetic in the same order as ggml so the results are
-bit-identical to `gguf.quants.dequantize`.
+bit-identical to `gguf.quants.dequantize`. The i-quants live in `engine.quants_iq`.
 """
 
 from collections.abc import Callable
@@ -11,7 +11,9 @@ from collections.abc import Callable
 import numpy as np
 from gguf import GGMLQuantizationType as T
 
+from engine.errors import EngineError
 from engine.quant_fields import bits_little, f16_field, split_bits
+from engine.quants_iq import IQ_DEQUANTIZERS, IQ_LAYOUTS
 
 QK_K = 256  # elements of a k-quant or i-quant super-block
 
@@ -30,14 +32,16 @@ _LAYOUTS: dict[T, tuple[int, int]] = {
     T.Q4_K: (QK_K, 2 + 2 + 12 + 128),  # d, dmin, 6-bit scales and mins, nibbles
     T.Q5_K: (QK_K, 2 + 2 + 12 + 32 + 128),  # d, dmin, 6-bit scales and mins, high bits, nibbles
     T.Q6_K: (QK_K, 128 + 64 + 16 + 2),  # low nibbles, high 2 bits, int8 scales, d
+    T.MXFP4: (32, 1 + 16),  # power-of-two scale (e8m0), 32 fp4 (e2m1) codes
+    **IQ_LAYOUTS,
 }
 
 # Elements dequantized per step: bounds the temporaries at a few tens of MB whatever the tensor size.
 _CHUNK_ELEMENTS = 1 << 20
 
 
-class UnsupportedTensorType(ValueError):
-    """A GGML tensor type this engine cannot read."""
+class UnsupportedTensorType(EngineError, ValueError):
+    """A GGML tensor type this engine cannot read (an EngineError, so callers can show it as it is)."""
 
     def __init__(self, qtype: object):
         name = getattr(qtype, "name", repr(qtype))
@@ -48,7 +52,7 @@ class UnsupportedTensorType(ValueError):
         )
 
 
-class TensorSizeError(ValueError):
+class TensorSizeError(EngineError, ValueError):
     """The bytes given for a tensor do not fit its type and shape."""
 
 
@@ -222,6 +226,17 @@ def _q6_k(blocks: np.ndarray) -> np.ndarray:
     return (d * q.astype(np.float32)).reshape(n, QK_K)
 
 
+# e2m1 codes doubled (sign bit on top), so that the e8m0 scale is taken at half its value
+_MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.int8).astype(np.float32)
+
+
+def _mxfp4(blocks: np.ndarray) -> np.ndarray:
+    e = blocks[:, :1].astype(np.uint32)
+    # half of 2^(e - 127) as float32 bits; e < 2 gives subnormals
+    half_scale = np.where(e < 2, np.uint32(0x00200000) << e, (e - np.uint32(1)) << np.uint32(23)).view(np.float32)
+    return half_scale * _MXFP4_VALUES[_nibbles32(blocks[:, 1:])]
+
+
 _DEQUANTIZERS: dict[T, Callable[[np.ndarray], np.ndarray]] = {
     T.F32: _f32,
     T.F16: _f16,
@@ -236,6 +251,8 @@ _DEQUANTIZERS: dict[T, Callable[[np.ndarray], np.ndarray]] = {
     T.Q4_K: _q4_k,
     T.Q5_K: _q5_k,
     T.Q6_K: _q6_k,
+    T.MXFP4: _mxfp4,
+    **IQ_DEQUANTIZERS,
 }
 
 SUPPORTED_TYPES: frozenset[T] = frozenset(_DEQUANTIZERS)
