@@ -215,7 +215,8 @@ class Backend(Protocol):
     ) -> None:
         """Causal grouped-query attention of a chunk over the cache.
 
-        q: (n, n_heads, head_dim) float32, already rotated; query i sits at position p = start[0] + i and
+        q: (n, n_heads, head_dim) float32, already rotated (like in rope_store_kv it may be a view into the
+        fused QKV projection output, rows strided by its width); query i sits at position p = start[0] + i and
         attends to cache positions j with j <= p (and j > p - window when window > 0, a sliding window).
         n_heads must be a multiple of cache.n_kv_heads; query head h uses KV head h // (n_heads //
         n_kv_heads). Scores are (q . k) * scale, softmax in float32.

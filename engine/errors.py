@@ -7,3 +7,7 @@ class EngineError(Exception):
     The message always says what is wrong and what to do about it, so callers (the MCP tools, the CLI)
     can show it to a person as it is.
     """
+
+
+class Cancelled(EngineError):
+    """The caller asked to stop (through `should_cancel`) before the work finished."""

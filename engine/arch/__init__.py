@@ -1,0 +1,32 @@
+"""Architecture registry: `general.architecture` -> the module that runs it.
+
+An architecture module provides plain functions (no layer classes), the same for every backend:
+
+    read_config(gguf) -> config      with n_layers, n_kv_heads, head_dim, vocab_size, context_length
+    load_weights(gguf, config, backend, max_positions, on_progress, should_cancel) -> weights
+    new_workspace(config, backend, max_chunk) -> workspace with .tokens (max_chunk,) int32, .start (1,) int32,
+                                                 .logits (1, vocab) float32 and .max_chunk
+    forward(config, weights, workspace, backend, cache, n, logits_out=None) -> logits
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+from engine.errors import EngineError
+
+ARCHITECTURES = {
+    "llama": "engine.arch.llama",
+}
+
+
+def architecture_module(name: str, model: str = "This model") -> ModuleType:
+    """The module for a GGUF `general.architecture`, or EngineError saying which are supported."""
+    module = ARCHITECTURES.get(name)
+    if module is None:
+        raise EngineError(
+            f"{model} uses the {name!r} architecture, which this engine cannot run. "
+            f"Supported architectures: {', '.join(sorted(ARCHITECTURES))}. Pick a model of one of these."
+        )
+    return importlib.import_module(module)

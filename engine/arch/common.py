@@ -1,0 +1,79 @@
+"""Helpers every architecture module shares: reading hyper-parameters, uploading weights with progress,
+fusing matrices that read the same input, and rotary frequencies."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+
+from engine import quants
+from engine.backend import Backend, WeightHandle
+from engine.errors import Cancelled, EngineError
+from engine.gguf_file import GGUFFile, GGUFTensor
+
+
+def hparam(gguf: GGUFFile, key: str, default: Any = None) -> Any:
+    """`{architecture}.{key}` from the metadata; EngineError if it is missing and has no default."""
+    full = f"{gguf.architecture}.{key}"
+    value = gguf.get(full, default)
+    if value is None:
+        raise EngineError(f"The model file {gguf.path.name} lacks {full!r}; it is incomplete or not a supported model.")
+    return value
+
+
+class WeightLoader:
+    """Uploads tensors one by one, reporting (done, total, message) and stopping when asked to."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        total: int,
+        on_progress: Callable[[int, int, str], None] | None,
+        should_cancel: Callable[[], bool] | None,
+    ):
+        self.backend = backend
+        self.total = total
+        self.done = 0
+        self._on_progress = on_progress
+        self._should_cancel = should_cancel
+
+    def upload(self, tensor: GGUFTensor, counts_as: int = 1) -> WeightHandle:
+        if self._should_cancel is not None and self._should_cancel():
+            raise Cancelled("Loading the model was cancelled before it finished.")
+        handle = self.backend.upload(tensor)
+        self.done += counts_as
+        if self._on_progress is not None:
+            self._on_progress(self.done, self.total, f"uploaded {tensor.name}")
+        return handle
+
+
+def concat_rows(name: str, tensors: list[GGUFTensor]) -> GGUFTensor | None:
+    """One matrix holding the rows of several (e.g. Q, K and V) so a single product computes them all, or
+    None when their types or row lengths differ. Quantized blocks never straddle rows, so the rows' bytes
+    can simply be stacked."""
+    first = tensors[0]
+    if any(t.qtype != first.qtype or len(t.shape) != 2 or t.shape[1] != first.shape[1] for t in tensors):
+        return None
+    elements, block_bytes = quants.block_layout(first.qtype)
+    row_bytes = first.shape[1] // elements * block_bytes
+    raw = np.concatenate([np.asarray(t.raw).reshape(t.shape[0], row_bytes) for t in tensors]).reshape(-1)
+    return GGUFTensor(name, first.qtype, (sum(t.shape[0] for t in tensors), first.shape[1]), raw)
+
+
+def rope_inv_freq(gguf: GGUFFile, rot_dim: int, base: float) -> np.ndarray:
+    """inv_freq[i] = base^(-2i/rot_dim), divided by the file's `rope_freqs.weight` factors (Llama 3.1 style)
+    and by a linear rope scaling factor when the file declares one."""
+    inv_freq = 1.0 / base ** (np.arange(0, rot_dim, 2, dtype=np.float64) / rot_dim)
+    factors = gguf.tensors.get("rope_freqs.weight")
+    if factors is not None:
+        inv_freq = inv_freq / quants.dequantize(factors.raw, factors.qtype, factors.shape).astype(np.float64)
+    scaling = gguf.get(f"{gguf.architecture}.rope.scaling.type", "none")
+    if scaling == "linear":
+        inv_freq = inv_freq / float(gguf.get(f"{gguf.architecture}.rope.scaling.factor", 1.0))
+    elif scaling not in ("none", None):
+        raise EngineError(
+            f"The model {gguf.path.name} uses {scaling!r} rope scaling, which this engine does not support "
+            "(supported: none, linear). Pick another model."
+        )
+    return inv_freq.astype(np.float32)

@@ -1,0 +1,205 @@
+"""The Llama architecture (Llama 2/3, SmolLM2, TinyLlama, Mistral without sliding window) as backend calls.
+
+Per layer: RMSNorm -> fused QKV projection -> rotary ('normal' pairs: llama.cpp's converter permutes the Q/K
+rows so that adjacent-pair rotation on them equals Hugging Face's rotate_half on the original weights) with the
+KV-cache write -> grouped-query attention -> output projection -> residual add fused with the FFN norm ->
+SwiGLU -> down projection, whose residual add is fused with the next layer's norm.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from engine.arch.common import WeightLoader, concat_rows, hparam, rope_inv_freq
+from engine.backend import ROPE_NORMAL, Backend, KVCache, RopeTable, WeightHandle
+from engine.gguf_file import GGUFFile
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    n_layers: int
+    hidden: int
+    ffn: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    rot_dim: int
+    rope_base: float
+    rms_eps: float
+    vocab_size: int
+    context_length: int
+
+    @property
+    def q_dim(self) -> int:
+        return self.n_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+
+def read_config(gguf: GGUFFile) -> LlamaConfig:
+    n_heads = int(hparam(gguf, "attention.head_count"))
+    hidden = int(hparam(gguf, "embedding_length"))
+    head_dim = int(hparam(gguf, "attention.key_length", hidden // n_heads))
+    embd = gguf.tensor("token_embd.weight")
+    return LlamaConfig(
+        n_layers=int(hparam(gguf, "block_count")),
+        hidden=hidden,
+        ffn=int(hparam(gguf, "feed_forward_length")),
+        n_heads=n_heads,
+        n_kv_heads=int(hparam(gguf, "attention.head_count_kv", n_heads)),
+        head_dim=head_dim,
+        rot_dim=int(hparam(gguf, "rope.dimension_count", head_dim)),
+        rope_base=float(hparam(gguf, "rope.freq_base", 10000.0)),
+        rms_eps=float(hparam(gguf, "attention.layer_norm_rms_epsilon", 1e-5)),
+        vocab_size=int(embd.shape[0]),
+        context_length=int(hparam(gguf, "context_length")),
+    )
+
+
+@dataclass
+class LlamaLayer:
+    attn_norm: WeightHandle
+    qkv: list[WeightHandle]  # one fused (q_dim + 2 kv_dim, hidden) matrix, or q, k, v separately
+    attn_out: WeightHandle
+    ffn_norm: WeightHandle
+    gate: WeightHandle
+    up: WeightHandle
+    down: WeightHandle
+
+
+@dataclass
+class LlamaWeights:
+    token_embd: WeightHandle
+    layers: list[LlamaLayer]
+    output_norm: WeightHandle
+    output: WeightHandle  # token_embd itself when the embeddings are tied
+    rope: RopeTable
+
+
+def count_uploads(gguf: GGUFFile, config: LlamaConfig) -> int:
+    """How many progress steps `load_weights` reports: one per GGUF tensor it uses."""
+    return 2 + ("output.weight" in gguf.tensors) + 9 * config.n_layers
+
+
+def load_weights(
+    gguf: GGUFFile,
+    config: LlamaConfig,
+    backend: Backend,
+    max_positions: int,
+    on_progress: Callable[[int, int, str], None] | None = None,
+    should_cancel: Callable[[], bool] | None = None,
+) -> LlamaWeights:
+    loader = WeightLoader(backend, count_uploads(gguf, config), on_progress, should_cancel)
+    token_embd = loader.upload(gguf.tensor("token_embd.weight"))
+    layers = []
+    for i in range(config.n_layers):
+        def t(name: str, i: int = i):
+            return gguf.tensor(f"blk.{i}.{name}.weight")
+
+        q, k, v = t("attn_q"), t("attn_k"), t("attn_v")
+        fused = concat_rows(f"blk.{i}.attn_qkv.weight", [q, k, v])
+        qkv = [loader.upload(fused, counts_as=3)] if fused is not None else [loader.upload(x) for x in (q, k, v)]
+        layers.append(
+            LlamaLayer(
+                attn_norm=loader.upload(t("attn_norm")),
+                qkv=qkv,
+                attn_out=loader.upload(t("attn_output")),
+                ffn_norm=loader.upload(t("ffn_norm")),
+                gate=loader.upload(t("ffn_gate")),
+                up=loader.upload(t("ffn_up")),
+                down=loader.upload(t("ffn_down")),
+            )
+        )
+    output_norm = loader.upload(gguf.tensor("output_norm.weight"))
+    output = loader.upload(gguf.tensor("output.weight")) if "output.weight" in gguf.tensors else token_embd
+    rope = backend.rope_table(rope_inv_freq(gguf, config.rot_dim, config.rope_base), max_positions)
+    return LlamaWeights(token_embd, layers, output_norm, output, rope)
+
+
+@dataclass
+class Workspace:
+    """Activation buffers for chunks of up to `max_chunk` tokens, allocated once."""
+
+    tokens: Any  # (max_chunk,) int32: ids of the chunk, set by the caller
+    start: Any  # (1,) int32: position of the chunk's first token, set by the caller
+    x: Any  # (max_chunk, hidden) residual stream
+    h: Any  # (max_chunk, hidden) normed input of the next projection
+    qkv: Any  # (max_chunk, q_dim + 2 kv_dim)
+    attn: Any  # (max_chunk, q_dim)
+    delta: Any  # (max_chunk, hidden) output of a block, added to x by the next fused norm
+    ffn: Any  # (max_chunk, ffn)
+    ffn_scratch: Any  # (max_chunk, ffn)
+    logits: Any  # (1, vocab) of the chunk's last token
+    max_chunk: int
+
+
+def new_workspace(config: LlamaConfig, backend: Backend, max_chunk: int) -> Workspace:
+    e = backend.empty
+    return Workspace(
+        tokens=e((max_chunk,), np.int32),
+        start=e((1,), np.int32),
+        x=e((max_chunk, config.hidden)),
+        h=e((max_chunk, config.hidden)),
+        qkv=e((max_chunk, config.q_dim + 2 * config.kv_dim)),
+        attn=e((max_chunk, config.q_dim)),
+        delta=e((max_chunk, config.hidden)),
+        ffn=e((max_chunk, config.ffn)),
+        ffn_scratch=e((max_chunk, config.ffn)),
+        logits=e((1, config.vocab_size)),
+        max_chunk=max_chunk,
+    )
+
+
+def _project_qkv(backend: Backend, layer: LlamaLayer, h, qkv, config: LlamaConfig) -> None:
+    if len(layer.qkv) == 1:
+        backend.linear(h, layer.qkv[0], qkv)
+        return
+    bounds = [0, config.q_dim, config.q_dim + config.kv_dim, config.q_dim + 2 * config.kv_dim]
+    for weight, lo, hi in zip(layer.qkv, bounds, bounds[1:]):
+        backend.linear(h, weight, qkv[:, lo:hi])
+
+
+def forward(
+    config: LlamaConfig,
+    weights: LlamaWeights,
+    ws: Workspace,
+    backend: Backend,
+    cache: KVCache,
+    n: int,
+    logits_out=None,
+):
+    """Run the n tokens in ws.tokens[:n] at positions ws.start[0] + i, filling the KV cache.
+
+    Writes the last token's logits to ws.logits and returns it, or, given logits_out (n, vocab), every
+    token's logits there (used to compare with a reference)."""
+    c = config
+    x, h, qkv, attn, delta = ws.x[:n], ws.h[:n], ws.qkv[:n], ws.attn[:n], ws.delta[:n]
+    q = qkv[:, : c.q_dim].reshape(n, c.n_heads, c.head_dim)
+    k = qkv[:, c.q_dim : c.q_dim + c.kv_dim].reshape(n, c.n_kv_heads, c.head_dim)
+    v = qkv[:, c.q_dim + c.kv_dim :].reshape(n, c.n_kv_heads, c.head_dim)
+    scale = 1.0 / float(np.sqrt(c.head_dim))
+
+    backend.embed(weights.token_embd, ws.tokens[:n], x)
+    for i, layer in enumerate(weights.layers):
+        if i == 0:
+            backend.rms_norm(x, layer.attn_norm, c.rms_eps, h)
+        else:
+            backend.add_rms_norm(delta, x, layer.attn_norm, c.rms_eps, h)
+        _project_qkv(backend, layer, h, qkv, c)
+        backend.rope_store_kv(q, k, v, weights.rope, ROPE_NORMAL, cache, i, ws.start)
+        backend.attention(q, cache, i, ws.start, attn, scale)
+        backend.linear(attn, layer.attn_out, delta)
+        backend.add_rms_norm(delta, x, layer.ffn_norm, c.rms_eps, h)
+        backend.gated_ffn(h, layer.gate, layer.up, ws.ffn[:n], ws.ffn_scratch[:n], "silu")
+        backend.linear(ws.ffn[:n], layer.down, delta)
+    backend.add_rms_norm(delta, x, weights.output_norm, c.rms_eps, h)
+    if logits_out is None:
+        backend.linear(h[n - 1 : n], weights.output, ws.logits)
+        return ws.logits
+    backend.linear(h, weights.output, logits_out)
+    return logits_out

@@ -1,0 +1,157 @@
+"""The CPU backend: weights dequantized to float32 at load, every op from engine/kernels/reference.py.
+
+Meant for small models (the float32 copy of a 135M-parameter model is about 0.5 GB); matrix products go to
+the BLAS NumPy links against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from engine import quants
+from engine.backend import SamplingParams
+from engine.errors import EngineError
+from engine.gguf_file import GGUFTensor
+from engine.kernels import reference
+
+
+@dataclass
+class NumpyWeight:
+    name: str
+    shape: tuple[int, ...]
+    data: np.ndarray  # float32, `shape`
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes)
+
+
+@dataclass
+class NumpyRope:
+    cos: np.ndarray  # (max_positions, rot_dim / 2) float32
+    sin: np.ndarray
+
+    @property
+    def rot_dim(self) -> int:
+        return 2 * self.cos.shape[1]
+
+    @property
+    def max_positions(self) -> int:
+        return self.cos.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.cos.nbytes + self.sin.nbytes)
+
+
+@dataclass
+class NumpyKVCache:
+    k: np.ndarray  # (n_layers, n_kv_heads, max_tokens, head_dim)
+    v: np.ndarray
+
+    @property
+    def n_layers(self) -> int:
+        return self.k.shape[0]
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def max_tokens(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def head_dim(self) -> int:
+        return self.k.shape[3]
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.k.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.k.nbytes + self.v.nbytes)
+
+
+class NumpyBackend:
+    """Implements engine.backend.Backend on the CPU."""
+
+    name = "numpy"
+    # float32 keeps the cache exact with respect to the float32 activations; the CPU path is for small models.
+    kv_dtype = np.dtype(np.float32)
+
+    def __init__(self) -> None:
+        self._held: list[Any] = []
+
+    def _hold(self, obj: Any) -> Any:
+        self._held.append(obj)
+        return obj
+
+    # ---- memory ----
+
+    def empty(self, shape: tuple[int, ...], dtype: Any = np.float32) -> np.ndarray:
+        return self._hold(np.empty(shape, dtype=dtype))
+
+    def copy_into(self, dst: np.ndarray, src: np.ndarray) -> None:
+        dst[...] = src
+
+    def to_host(self, x: np.ndarray) -> np.ndarray:
+        return np.array(x, copy=True)
+
+    def upload(self, tensor: GGUFTensor) -> NumpyWeight:
+        try:
+            data = quants.dequantize(tensor.raw, tensor.qtype, tensor.shape)
+        except quants.UnsupportedTensorType as exc:
+            raise EngineError(f"Tensor {tensor.name} cannot be loaded: {exc}.") from None
+        except quants.TensorSizeError as exc:
+            raise EngineError(f"Tensor {tensor.name} is damaged ({exc}); download the model again.") from None
+        return self._hold(NumpyWeight(tensor.name, tuple(tensor.shape), np.ascontiguousarray(data, dtype=np.float32)))
+
+    def rope_table(self, inv_freq: np.ndarray, max_positions: int, attn_factor: float = 1.0) -> NumpyRope:
+        return self._hold(NumpyRope(*reference.rope_tables(inv_freq, max_positions, attn_factor)))
+
+    def kv_cache(self, n_layers: int, n_kv_heads: int, head_dim: int, max_tokens: int) -> NumpyKVCache:
+        shape = (n_layers, n_kv_heads, max_tokens, head_dim)
+        return self._hold(NumpyKVCache(np.zeros(shape, self.kv_dtype), np.zeros(shape, self.kv_dtype)))
+
+    def memory_in_use(self) -> dict[str, int]:
+        return {"host_bytes": sum(int(obj.nbytes) for obj in self._held), "device_bytes": 0}
+
+    def synchronize(self) -> None:
+        return None
+
+    def compile_step(self, step: Callable[[], None]) -> Callable[[], None]:
+        return step
+
+    def close(self) -> None:
+        self._held.clear()
+
+    # ---- ops ----
+
+    def embed(self, table: NumpyWeight, tokens: np.ndarray, out: np.ndarray, scale: float = 1.0) -> None:
+        reference.embed(table.data, tokens, out, scale)
+
+    def rms_norm(self, x: np.ndarray, weight: NumpyWeight, eps: float, out: np.ndarray) -> None:
+        reference.rms_norm(x, weight.data, eps, out)
+
+    def add_rms_norm(self, x, residual, weight: NumpyWeight, eps: float, out) -> None:
+        reference.add_rms_norm(x, residual, weight.data, eps, out)
+
+    def linear(self, x, weight: NumpyWeight, out, bias: NumpyWeight | None = None) -> None:
+        reference.linear(x, weight.data, out, None if bias is None else bias.data)
+
+    def gated_ffn(self, x, gate: NumpyWeight, up: NumpyWeight, out, scratch, activation: str = "silu") -> None:
+        reference.gated_ffn(x, gate.data, up.data, out, scratch, activation)
+
+    def rope_store_kv(self, q, k, v, rope: NumpyRope, style: str, cache: NumpyKVCache, layer: int, start) -> None:
+        reference.rope_store_kv(q, k, v, rope.cos, rope.sin, style, cache.k[layer], cache.v[layer], int(start[0]))
+
+    def attention(self, q, cache: NumpyKVCache, layer: int, start, out, scale: float, window: int = 0) -> None:
+        reference.attention(q, cache.k[layer], cache.v[layer], int(start[0]), out, scale, window)
+
+    def sample(self, logits, params: SamplingParams, recent_tokens: np.ndarray, uniform: float) -> int:
+        return reference.sample(logits, params, recent_tokens, uniform)

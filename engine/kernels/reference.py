@@ -1,0 +1,169 @@
+"""NumPy reference of every backend op (see engine/backend.py for the exact contracts).
+
+The CPU backend runs these directly on float32 weights; the GPU tests compare each CUDA kernel with them.
+Everything is vectorized: float32 matrix products go to BLAS, nothing loops over tokens or elements in Python.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from engine.backend import ROPE_NEOX, ROPE_NORMAL, SamplingParams
+
+
+def embed(table: np.ndarray, tokens: np.ndarray, out: np.ndarray, scale: float = 1.0) -> None:
+    np.take(table, tokens, axis=0, out=out)
+    if scale != 1.0:
+        out *= np.float32(scale)
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, out: np.ndarray) -> None:
+    # Mean of squares in float32, as transformers computes it for float32 models.
+    inv = 1.0 / np.sqrt(np.mean(np.square(x), axis=-1, keepdims=True) + np.float32(eps))
+    np.multiply(x, inv, out=out)
+    out *= weight
+
+
+def add_rms_norm(x: np.ndarray, residual: np.ndarray, weight: np.ndarray, eps: float, out: np.ndarray) -> None:
+    residual += x
+    rms_norm(residual, weight, eps, out)
+
+
+def linear(x: np.ndarray, weight: np.ndarray, out: np.ndarray, bias: np.ndarray | None = None) -> None:
+    np.matmul(x, weight.T, out=out)
+    if bias is not None:
+        out += bias
+
+
+def _gelu_tanh(x: np.ndarray) -> np.ndarray:
+    return 0.5 * x * (1.0 + np.tanh(np.float32(0.7978845608028654) * (x + np.float32(0.044715) * x * x * x)))
+
+
+def gated_ffn(
+    x: np.ndarray,
+    gate: np.ndarray,
+    up: np.ndarray,
+    out: np.ndarray,
+    scratch: np.ndarray,
+    activation: str = "silu",
+) -> None:
+    np.matmul(x, gate.T, out=out)
+    np.matmul(x, up.T, out=scratch)
+    if activation == "silu":
+        # silu(g) = g * sigmoid(g) = g / (1 + exp(-g)); exp overflow to inf gives the right limit 0.
+        with np.errstate(over="ignore"):
+            out /= 1.0 + np.exp(-out)
+    elif activation == "gelu_tanh":
+        out[...] = _gelu_tanh(out)
+    else:
+        raise ValueError(f"unknown activation {activation!r}")
+    out *= scratch
+
+
+def rope_tables(inv_freq: np.ndarray, max_positions: int, attn_factor: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin of p * inv_freq[i], each (max_positions, len(inv_freq)) float32, times attn_factor."""
+    angles = np.outer(np.arange(max_positions, dtype=np.float64), inv_freq.astype(np.float64))
+    return (np.cos(angles) * attn_factor).astype(np.float32), (np.sin(angles) * attn_factor).astype(np.float32)
+
+
+def rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, style: str) -> None:
+    """Rotate x (n, heads, head_dim) in place; cos/sin are (n, rot_dim/2) for the tokens' positions."""
+    half = cos.shape[-1]
+    if style == ROPE_NORMAL:
+        a, b = x[..., 0 : 2 * half : 2], x[..., 1 : 2 * half : 2]
+    elif style == ROPE_NEOX:
+        a, b = x[..., :half], x[..., half : 2 * half]
+    else:
+        raise ValueError(f"unknown rotary style {style!r}")
+    c, s = cos[:, None, :], sin[:, None, :]
+    a_old = a.copy()
+    a *= c
+    a -= b * s
+    b *= c
+    b += a_old * s
+
+
+def rope_store_kv(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    cos: np.ndarray,
+    sin: np.ndarray,
+    style: str,
+    k_cache: np.ndarray,
+    v_cache: np.ndarray,
+    start: int,
+) -> None:
+    """k_cache, v_cache: one layer's (n_kv_heads, max_tokens, head_dim)."""
+    n = q.shape[0]
+    c, s = cos[start : start + n], sin[start : start + n]
+    rotate(q, c, s, style)
+    rotate(k, c, s, style)
+    k_cache[:, start : start + n, :] = k.transpose(1, 0, 2)
+    v_cache[:, start : start + n, :] = v.transpose(1, 0, 2)
+
+
+def attention(
+    q: np.ndarray,
+    k_cache: np.ndarray,
+    v_cache: np.ndarray,
+    start: int,
+    out: np.ndarray,
+    scale: float,
+    window: int = 0,
+) -> None:
+    """Causal grouped-query attention of q (n, heads, d) over one layer's cache (kv_heads, max_tokens, d)."""
+    n, n_heads, d = q.shape
+    n_kv = k_cache.shape[0]
+    group = n_heads // n_kv
+    length = start + n
+    keys = k_cache[:, :length, :].astype(np.float32, copy=False)
+    values = v_cache[:, :length, :].astype(np.float32, copy=False)
+    # (n, kv, group, d) -> (kv, group * n, d): one matrix product per KV head covers all its query heads.
+    qh = q.reshape(n, n_kv, group, d).transpose(1, 2, 0, 3).reshape(n_kv, group * n, d)
+    scores = np.matmul(qh, keys.transpose(0, 2, 1))
+    scores *= np.float32(scale)
+    query_pos = start + np.arange(n)
+    key_pos = np.arange(length)
+    masked = key_pos[None, :] > query_pos[:, None]
+    if window > 0:
+        masked |= key_pos[None, :] <= query_pos[:, None] - window
+    scores = scores.reshape(n_kv, group, n, length)
+    scores[:, :, masked] = -np.inf
+    scores -= scores.max(axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    scores /= scores.sum(axis=-1, keepdims=True)
+    mixed = np.matmul(scores.reshape(n_kv, group * n, length), values)
+    out[...] = mixed.reshape(n_kv, group, n, d).transpose(2, 0, 1, 3).reshape(n, n_heads * d)
+
+
+def sample(logits: np.ndarray, params: SamplingParams, recent_tokens: np.ndarray, uniform: float) -> int:
+    """The token SamplingParams' documented steps pick (see engine/backend.py)."""
+    scores = logits.astype(np.float32, copy=True)
+    if params.repeat_penalty != 1.0 and len(recent_tokens):
+        ids = np.unique(recent_tokens)
+        picked = scores[ids]
+        scores[ids] = np.where(picked > 0, picked / params.repeat_penalty, picked * params.repeat_penalty)
+    if params.temperature <= 0:
+        return int(np.argmax(scores))
+    scores /= np.float32(params.temperature)
+    if 0 < params.top_k < scores.size:
+        # argpartition then a stable sort keeps the documented tie order (lower id first).
+        candidates = np.argpartition(-scores, params.top_k - 1)[: params.top_k]
+        threshold = scores[candidates].min()
+        candidates = np.nonzero(scores >= threshold)[0]
+    else:
+        candidates = np.arange(scores.size)
+    order = candidates[np.argsort(-scores[candidates], kind="stable")]
+    if 0 < params.top_k < order.size:
+        order = order[: params.top_k]
+    probs = np.exp((scores[order] - scores[order[0]]).astype(np.float64))
+    probs /= probs.sum()
+    if params.top_p < 1.0:
+        keep = int(np.searchsorted(np.cumsum(probs), params.top_p, side="left")) + 1
+        probs = probs[: min(keep, probs.size)]
+    if params.min_p > 0.0:
+        probs = probs[probs >= params.min_p * probs[0]]
+    cumulative = np.cumsum(probs)
+    index = int(np.searchsorted(cumulative, uniform * cumulative[-1], side="right"))
+    return int(order[min(index, probs.size - 1)])
