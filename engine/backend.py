@@ -17,6 +17,9 @@ Conventions every backend follows:
   chunk (= number of tokens already in the KV cache). Token i of the chunk sits at position start[0] + i.
   Keeping it in device memory lets a captured graph replay at every position; the host writes it with
   `copy_into` before each step.
+- Choosing a backend: engine/model.py imports engine.backend_cupy lazily and expects `CupyBackend()` and
+  `unavailable_reason() -> str | None` there (None when CuPy and a usable NVIDIA GPU are present, otherwise
+  a plain sentence saying why not, shown to the person as the reason the CPU was chosen).
 - "Array" below means the backend's array type (numpy.ndarray or cupy.ndarray). Inputs may be views;
   `out` is always a C-contiguous array or a leading-rows view `buf[:n]` of one.
 """
