@@ -1,0 +1,205 @@
+"""Generation as a handful of plain functions named after the steps: prefill, decode_one_token, generate."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any, Callable
+
+import numpy as np
+
+from engine.backend import Backend, KVCache, SamplingParams
+from engine.errors import EngineError
+from engine.kv_cache import CachedTokens
+from engine.sampler import Sampler
+from engine.tokenizer import Tokenizer
+
+
+@dataclass
+class GenerationSettings:
+    """How to generate. temperature 0 means greedy; top_k 0, top_p 1, min_p 0 and repeat_penalty 1 are off."""
+
+    max_tokens: int = 512
+    temperature: float = 0.7
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(self.temperature, self.top_k, self.top_p, self.min_p, self.repeat_penalty)
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    finish_reason: str  # "stop" (end-of-turn token or stop string), "length" or "cancelled"
+    prompt_tokens: int
+    cached_prompt_tokens: int  # leading prompt tokens whose KV entries were reused from the previous call
+    completion_tokens: int
+    prompt_seconds: float  # prefill of the uncached prompt tokens, up to the first generated token
+    decode_seconds: float
+    prompt_tokens_per_second: float  # uncached prompt tokens / prompt_seconds
+    output_tokens_per_second: float  # tokens from decode steps / decode_seconds
+
+
+@dataclass
+class ModelState:
+    """Everything a forward pass needs, owned by one LoadedModel."""
+
+    arch: ModuleType
+    config: Any
+    weights: Any
+    workspace: Any
+    cache: KVCache
+    backend: Backend
+    cached: CachedTokens
+    decode_step: Callable[[], None]  # forward of ws.tokens[:1] at ws.start, possibly a replayed CUDA graph
+
+
+def run_chunk(state: ModelState, tokens: list[int], start: int, logits_out=None):
+    """Forward tokens at positions start.. (at most workspace.max_chunk of them); returns backend logits."""
+    ws, backend = state.workspace, state.backend
+    n = len(tokens)
+    backend.copy_into(ws.tokens[:n], np.asarray(tokens, dtype=np.int32))
+    backend.copy_into(ws.start, np.asarray([start], dtype=np.int32))
+    return state.arch.forward(state.config, state.weights, ws, backend, state.cache, n, logits_out)
+
+
+def prefill(state: ModelState, prompt: list[int], should_stop: Callable[[], bool] | None = None):
+    """Bring the cache to hold `prompt`, reusing its longest cached prefix. Returns (last token's logits,
+    tokens reused), or (None, reused) when should_stop asked to stop between chunks."""
+    check_fits(state, len(prompt))
+    reused = state.cached.reusable_prefix(prompt)
+    state.cached.keep(reused)
+    chunk = state.workspace.max_chunk
+    logits = None
+    for begin in range(reused, len(prompt), chunk):
+        if should_stop is not None and should_stop():
+            return None, reused
+        tokens = prompt[begin : begin + chunk]
+        logits = run_chunk(state, tokens, begin)
+        state.cached.append(tokens)
+    return logits[0], reused
+
+
+def decode_one_token(state: ModelState, token: int):
+    """Append one token to the cache and return the logits (vocab,) for the token after it."""
+    ws, backend = state.workspace, state.backend
+    backend.copy_into(ws.tokens[:1], np.asarray([token], dtype=np.int32))
+    backend.copy_into(ws.start, np.asarray([len(state.cached)], dtype=np.int32))
+    state.decode_step()
+    state.cached.append([token])
+    return ws.logits[0]
+
+
+def check_fits(state: ModelState, n_tokens: int) -> None:
+    if n_tokens == 0:
+        raise EngineError("The prompt is empty; give the model some text to continue.")
+    if n_tokens > state.cached.capacity:
+        raise EngineError(
+            f"The prompt is {n_tokens} tokens but the context holds only {state.cached.capacity}. "
+            "Shorten the conversation, or load the model with a longer context_length."
+        )
+
+
+class StopStringFilter:
+    """Passes text on as it grows, holding back any tail that could still become a stop string, and cuts the
+    text before the first stop string."""
+
+    def __init__(self, stops: list[str], on_text: Callable[[str], None] | None):
+        self._stops = [s for s in stops if s]
+        self._on_text = on_text
+        self.text = ""
+        self._emitted = 0
+
+    def _emit(self, end: int) -> None:
+        if end > self._emitted:
+            if self._on_text is not None:
+                self._on_text(self.text[self._emitted : end])
+            self._emitted = end
+
+    def feed(self, piece: str) -> bool:
+        """Add text; True when it completed a stop string (the text then ends just before it)."""
+        self.text += piece
+        hits = [i for i in (self.text.find(s, self._emitted) for s in self._stops) if i >= 0]
+        if hits:
+            self.text = self.text[: min(hits)]
+            self._emit(len(self.text))
+            return True
+        hold = 0
+        for s in self._stops:
+            for k in range(min(len(s) - 1, len(self.text) - self._emitted), hold, -1):
+                if self.text.endswith(s[:k]):
+                    hold = k
+                    break
+        self._emit(len(self.text) - hold)
+        return False
+
+    def finish(self) -> None:
+        self._emit(len(self.text))
+
+
+def generate(
+    state: ModelState,
+    tokenizer: Tokenizer,
+    prompt: list[int],
+    settings: GenerationSettings,
+    stop_ids: set[int],
+    on_text: Callable[[str], None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
+) -> GenerationResult:
+    """Prefill the prompt, then sample until an end-of-turn token, a stop string, max_tokens, the end of the
+    context, or should_stop."""
+    if settings.max_tokens < 1:
+        raise EngineError(f"max_tokens must be at least 1, not {settings.max_tokens}.")
+    sampler = Sampler(state.backend, settings.sampling(), settings.seed)
+    history = list(prompt)
+    started = time.perf_counter()
+    logits, reused = prefill(state, prompt, should_stop)
+    if logits is None:
+        elapsed = time.perf_counter() - started
+        return GenerationResult("", "cancelled", len(prompt), reused, 0, elapsed, 0.0, 0.0, 0.0)
+    token = sampler.next_token(logits, history)
+    prompt_seconds = time.perf_counter() - started
+
+    text = StopStringFilter(settings.stop, on_text)
+    decoder = tokenizer.stream_decoder()
+    completion, steps, finish, cut = 0, 0, "length", False
+    decode_started = time.perf_counter()
+    while True:
+        if token in stop_ids:
+            finish = "stop"
+            break
+        completion += 1
+        history.append(token)
+        if text.feed(decoder.push(token)):
+            finish, cut = "stop", True
+            break
+        if completion >= settings.max_tokens or len(state.cached) >= state.cached.capacity:
+            break
+        if should_stop is not None and should_stop():
+            finish = "cancelled"
+            break
+        logits = decode_one_token(state, token)
+        token = sampler.next_token(logits, history)
+        steps += 1
+    if not cut:
+        text.feed(decoder.flush())
+    text.finish()
+    decode_seconds = time.perf_counter() - decode_started
+    processed = len(prompt) - reused
+    return GenerationResult(
+        text=text.text,
+        finish_reason=finish,
+        prompt_tokens=len(prompt),
+        cached_prompt_tokens=reused,
+        completion_tokens=completion,
+        prompt_seconds=prompt_seconds,
+        decode_seconds=decode_seconds,
+        prompt_tokens_per_second=processed / prompt_seconds if prompt_seconds > 0 else 0.0,
+        output_tokens_per_second=steps / decode_seconds if decode_seconds > 0 and steps else 0.0,
+    )

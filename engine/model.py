@@ -1,0 +1,234 @@
+"""The engine's public face: load_model() and the LoadedModel it returns."""
+
+from __future__ import annotations
+
+import importlib
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import psutil
+
+from engine.arch import architecture_module
+from engine.backend import Backend
+from engine.backend_numpy import NumpyBackend
+from engine.chat_template import ChatTemplate
+from engine.errors import EngineError
+from engine.generate import GenerationResult, GenerationSettings, ModelState, generate, prefill, run_chunk
+from engine.gguf_file import GGUFFile
+from engine.kv_cache import CachedTokens
+from engine.tokenizer import Tokenizer
+
+DEFAULT_CONTEXT = 4096  # used when the caller gives none and the model allows more
+MAX_PROMPT_CHUNK = 512  # tokens per prefill forward pass; sizes the activation workspace
+# Tokens that end an assistant turn in common chat templates, besides the file's own EOS/EOT ids.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<end_of_turn>", "<|endoftext|>", "<|end|>")
+
+
+@dataclass
+class ModelInfo:
+    architecture: str
+    name: str
+    context_length: int  # the context in use (KV cache size in tokens)
+    max_context_length: int  # what the model was trained for
+    n_layers: int
+    vocab_size: int
+    tensor_types: dict[str, int]
+    backend: str  # "numpy" or "cupy"
+    backend_reason: str
+    weight_bytes: int
+    kv_cache_bytes: int
+
+
+def select_backend(device: str) -> tuple[Backend, str]:
+    """The backend for device "auto", "cpu" or "cuda", and a sentence saying why it was chosen."""
+    if device not in ("auto", "cpu", "cuda"):
+        raise EngineError(f"device must be 'auto', 'cpu' or 'cuda', not {device!r}.")
+    if device == "cpu":
+        return NumpyBackend(), "The CPU (NumPy) backend was requested."
+    try:
+        gpu = importlib.import_module("engine.backend_cupy")
+        reason = gpu.unavailable_reason()
+    except ImportError as exc:
+        gpu = None
+        if exc.name == "engine.backend_cupy":
+            reason = "this installation of the engine has no GPU backend"
+        elif (exc.name or "").startswith("cupy"):
+            reason = "CuPy is not installed (install the package's 'cuda' extra to use an NVIDIA GPU)"
+        else:
+            reason = f"the GPU backend cannot be imported ({exc})"
+    if reason is None:
+        return gpu.CupyBackend(), "An NVIDIA GPU with CuPy is available, so the model runs on the GPU."
+    if device == "cuda":
+        raise EngineError(f"device='cuda' was requested, but {reason}. Use device='auto' or 'cpu' instead.")
+    return NumpyBackend(), f"Running on the CPU with NumPy because {reason}."
+
+
+def _check_cpu_memory(gguf: GGUFFile, backend: Backend) -> None:
+    # The CPU backend holds float32 copies of the weights: refuse early rather than swap or be killed.
+    if backend.name != "numpy":
+        return
+    needed = 4 * sum(int(np.prod(t.shape)) for t in gguf.tensors.values())
+    available = psutil.virtual_memory().available
+    if needed > 0.9 * available:
+        raise EngineError(
+            f"{gguf.path.name} needs about {needed / 2**30:.1f} GiB as float32 on the CPU, but only "
+            f"{available / 2**30:.1f} GiB of RAM is free. Use a smaller model or a machine with an NVIDIA GPU."
+        )
+
+
+class LoadedModel:
+    """A model ready to generate. Calls are serialized: one generation at a time."""
+
+    def __init__(self, gguf: GGUFFile, state: ModelState, tokenizer: Tokenizer, template: ChatTemplate | None, info: ModelInfo):
+        self.info = info
+        self.tokenizer = tokenizer
+        self._gguf = gguf
+        self._state: ModelState | None = state
+        self._template = template
+        self._lock = threading.Lock()
+        self._stop_ids = {tokenizer.eos_id} - {None}
+        self._stop_ids |= {gguf.get(k) for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")} - {None}
+        self._stop_ids |= {i for i in map(tokenizer.token_id, END_OF_TURN_TOKENS) if i in tokenizer.special_ids}
+        self._all_logits = None
+
+    def _live_state(self) -> ModelState:
+        if self._state is None:
+            raise EngineError("This model has been closed; load it again to use it.")
+        return self._state
+
+    def render_chat(self, messages: list[dict[str, Any]]) -> str:
+        """The prompt text the chat template makes of messages (with the assistant turn opened)."""
+        if self._template is None:
+            raise EngineError(f"{self.info.name} has no chat template; use complete() with a raw prompt instead.")
+        return self._template.render(messages, add_generation_prompt=True)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]],
+        settings: GenerationSettings | None = None,
+        on_text: Callable[[str], None] | None = None,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> GenerationResult:
+        """Answer a conversation. The KV cache of the longest token prefix shared with the previous call is
+        reused, so a follow-up turn only processes the new tokens."""
+        prompt = self.tokenizer.encode(self.render_chat(messages))
+        return self._generate(prompt, settings, on_text, should_stop)
+
+    def complete(
+        self,
+        prompt: str,
+        settings: GenerationSettings | None = None,
+        on_text: Callable[[str], None] | None = None,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> GenerationResult:
+        """Continue raw text (no chat template)."""
+        if not isinstance(prompt, str):
+            raise EngineError("The prompt must be text.")
+        return self._generate(self.tokenizer.encode(prompt), settings, on_text, should_stop)
+
+    def _generate(self, prompt, settings, on_text, should_stop) -> GenerationResult:
+        with self._lock:
+            state = self._live_state()
+            return generate(state, self.tokenizer, prompt, settings or GenerationSettings(), self._stop_ids, on_text, should_stop)
+
+    def prompt_logits(self, tokens: list[int], all_positions: bool = False) -> tuple[np.ndarray, int]:
+        """Run tokens and return (logits, reused): the last token's logits (vocab,) after reusing the cached
+        prefix, or with all_positions every token's logits (n, vocab) from a fresh start (reused = 0)."""
+        with self._lock:
+            state = self._live_state()
+            if not all_positions:
+                logits, reused = prefill(state, list(tokens))
+                return state.backend.to_host(logits), reused
+            state.cached.clear()
+            if self._all_logits is None:
+                self._all_logits = state.backend.empty((state.workspace.max_chunk, self.info.vocab_size))
+            rows = []
+            chunk = state.workspace.max_chunk
+            for begin in range(0, len(tokens), chunk):
+                part = list(tokens[begin : begin + chunk])
+                run_chunk(state, part, begin, self._all_logits[: len(part)])
+                state.cached.append(part)
+                rows.append(state.backend.to_host(self._all_logits[: len(part)]))
+            return np.concatenate(rows), 0
+
+    def memory_in_use(self) -> dict[str, int]:
+        """{"host_bytes": ..., "device_bytes": ...} held by the backend (0 and 0 once closed)."""
+        if self._state is None:
+            return {"host_bytes": 0, "device_bytes": 0}
+        return self._state.backend.memory_in_use()
+
+    def close(self) -> None:
+        """Free weights, cache and workspace. Waits for a running generation (stop it with should_stop first).
+        Safe to call twice."""
+        with self._lock:
+            if self._state is not None:
+                self._state.backend.close()
+                self._state = None
+                self._all_logits = None
+                self._gguf.close()
+
+
+def load_model(
+    path: str | Path,
+    *,
+    device: str = "auto",
+    context_length: int | None = None,
+    on_progress: Callable[[int, int, str], None] | None = None,
+    should_cancel: Callable[[], bool] | None = None,
+) -> LoadedModel:
+    """Open a GGUF, pick a backend and upload the weights. on_progress gets (tensors done, total, message);
+    should_cancel returning True stops the load with `Cancelled` (an EngineError)."""
+    gguf = GGUFFile(path)
+    arch = architecture_module(gguf.architecture, f"The model {gguf.path.name}")
+    config = arch.read_config(gguf)
+    max_context = int(config.context_length)
+    if context_length is None:
+        context = min(max_context, DEFAULT_CONTEXT)
+    elif not isinstance(context_length, int) or context_length < 1:
+        raise EngineError(f"context_length must be a positive number of tokens, not {context_length!r}.")
+    elif context_length > max_context:
+        raise EngineError(
+            f"context_length {context_length} is longer than {gguf.path.name} supports ({max_context} tokens). "
+            f"Use {max_context} or less."
+        )
+    else:
+        context = context_length
+    tokenizer = Tokenizer(gguf)
+    template = ChatTemplate.from_gguf(gguf)
+    backend, reason = select_backend(device)
+    try:
+        _check_cpu_memory(gguf, backend)
+        weights = arch.load_weights(gguf, config, backend, context, on_progress, should_cancel)
+        weight_bytes = backend.memory_in_use()
+        weight_bytes = weight_bytes["host_bytes"] + weight_bytes["device_bytes"]
+        cache = backend.kv_cache(config.n_layers, config.n_kv_heads, config.head_dim, context)
+        workspace = arch.new_workspace(config, backend, min(MAX_PROMPT_CHUNK, context))
+    except MemoryError:
+        backend.close()
+        raise EngineError(f"Not enough memory to load {gguf.path.name}; free memory or use a smaller model.") from None
+    except BaseException:
+        backend.close()
+        raise
+
+    def decode_step() -> None:
+        arch.forward(config, weights, workspace, backend, cache, 1)
+
+    state = ModelState(arch, config, weights, workspace, cache, backend, CachedTokens(context), backend.compile_step(decode_step))
+    summary = gguf.summary()
+    info = ModelInfo(
+        architecture=summary.architecture,
+        name=summary.name,
+        context_length=context,
+        max_context_length=max_context,
+        n_layers=config.n_layers,
+        vocab_size=config.vocab_size,
+        tensor_types=summary.tensor_types,
+        backend=backend.name,
+        backend_reason=reason,
+        weight_bytes=weight_bytes,
+        kv_cache_bytes=cache.nbytes,
+    )
+    return LoadedModel(gguf, state, tokenizer, template, info)
