@@ -167,3 +167,25 @@ def sample(logits: np.ndarray, params: SamplingParams, recent_tokens: np.ndarray
     cumulative = np.cumsum(probs)
     index = int(np.searchsorted(cumulative, uniform * cumulative[-1], side="right"))
     return int(order[min(index, probs.size - 1)])
+
+
+def quantize_q8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The activation quantization in front of the GPU's int8 matrix-vector products: per group of 32 values,
+    q = rint(x * (127 / amax)) as int8, d = amax / 127 and s = d * sum(q), all in float32 as the kernel does.
+    x: (..., k) float32 with k a multiple of 32 -> q (..., k) int8, d and s (..., k / 32) float32."""
+    groups = x.reshape(-1, 32).astype(np.float32, copy=False)
+    amax = np.abs(groups).max(axis=1)
+    d = amax / np.float32(127)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    q = np.rint(groups * inv[:, None]).astype(np.int8)
+    s = d * q.sum(axis=1, dtype=np.int32).astype(np.float32)
+    shape = x.shape[:-1] + (x.shape[-1] // 32,)
+    return q.reshape(x.shape), d.reshape(shape), s.reshape(shape)
+
+
+def linear_q8(x: np.ndarray, weight: np.ndarray, out: np.ndarray) -> None:
+    """What the GPU's decode matrix-vector product computes: `linear` on x after quantize_q8 (weight float32)."""
+    q, d, _ = quantize_q8(x)
+    xq = (q.reshape(-1, 32).astype(np.float32) * d.reshape(-1, 1)).reshape(x.shape)
+    np.matmul(xq, weight.T, out=out)

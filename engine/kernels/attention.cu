@@ -1,0 +1,105 @@
+// Causal grouped-query attention over the fp16 KV cache, in two kernels.
+//
+// attention_partial: each warp takes one (query, head, split) item: the keys of its split of the query's
+// causal range, 32 at a time (lane j scores key j, then every lane accumulates the weighted values of its own
+// dims), with an online softmax in base 2. It writes its unnormalized output, max and sum. For decode the four
+// warps of a block split one query's keys (wpq = 4) and grid.z adds splits, so a single query fills the GPU;
+// for prompt chunks the four warps take four consecutive queries of one head (wpq = 1), which share their
+// K/V rows through L1. attention_combine merges the splits and normalizes.
+//
+// Key ranges come from start[0] in device memory, so one captured graph serves every position; splits past
+// the range are empty and write max = -inf, sum = 0.
+
+#define MAX_HD 256
+
+extern "C" __global__ void attention_partial(const float* __restrict__ q, long q_stride,
+                                             const u16* __restrict__ k_cache, const u16* __restrict__ v_cache,
+                                             int max_tokens, int n_heads, int n_kv, int hd,
+                                             const int* __restrict__ start, int n, int window, float scale_log2,
+                                             int wpq, float* __restrict__ part) {
+    __shared__ float qs[4][MAX_HD];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+    const int head = blockIdx.x;
+    const int qi = blockIdx.y * (4 / wpq) + warp / wpq;
+    const int n_splits = gridDim.z * wpq;
+    const int split = blockIdx.z * wpq + warp % wpq;
+    if (qi >= n) return;
+    const int kvh = head / (n_heads / n_kv);
+    const int pos = start[0] + qi;
+    const int first = window > 0 ? max(0, pos - window + 1) : 0;
+    const int len = pos + 1 - first;
+    const int per = (len + n_splits - 1) / n_splits;
+    const int lo = first + split * per;
+    const int hi = min(lo + per, pos + 1);
+
+    const float* qr = q + qi * q_stride + (long)head * hd;
+    for (int i = lane; i < hd; i += 32) qs[warp][i] = qr[i] * scale_log2;
+    __syncwarp();
+
+    const u16* kbase = k_cache + (long)kvh * max_tokens * hd;
+    const u16* vbase = v_cache + (long)kvh * max_tokens * hd;
+    const int dpl = hd / 32;  // dims per lane in the value accumulation
+    float acc[MAX_HD / 32];
+#pragma unroll
+    for (int i = 0; i < MAX_HD / 32; ++i) acc[i] = 0.0f;
+    float m = NEG_INF, l = 0.0f;
+    for (int j0 = lo; j0 < hi; j0 += 32) {
+        const int j = j0 + lane;
+        float s = NEG_INF;
+        if (j < hi) {
+            const uint4* kr = reinterpret_cast<const uint4*>(kbase + (long)j * hd);
+            float dot = 0.0f;
+            for (int c = 0; c < hd / 8; ++c) {
+                const uint4 u = __ldg(kr + c);
+                const u32 w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+                for (int t = 0; t < 4; ++t) {
+                    dot = fmaf(qs[warp][8 * c + 2 * t], h2f((u16)(w[t] & 0xFFFF)), dot);
+                    dot = fmaf(qs[warp][8 * c + 2 * t + 1], h2f((u16)(w[t] >> 16)), dot);
+                }
+            }
+            s = dot;
+        }
+        const float m_new = fmaxf(m, warp_max(s));
+        const float corr = exp2f(m - m_new);
+        const float p = j < hi ? exp2f(s - m_new) : 0.0f;
+        l = l * corr + warp_sum(p);
+#pragma unroll
+        for (int i = 0; i < MAX_HD / 32; ++i) acc[i] *= corr;
+        const int cnt = min(32, hi - j0);
+        for (int jj = 0; jj < cnt; ++jj) {
+            const float pj = __shfl_sync(0xFFFFFFFFu, p, jj);
+            const u16* vr = vbase + (long)(j0 + jj) * hd;
+#pragma unroll
+            for (int i = 0; i < MAX_HD / 32; ++i)
+                if (i < dpl) acc[i] = fmaf(pj, h2f(vr[lane + 32 * i]), acc[i]);
+        }
+        m = m_new;
+    }
+    float* out = part + (((long)qi * n_heads + head) * n_splits + split) * (hd + 2);
+#pragma unroll
+    for (int i = 0; i < MAX_HD / 32; ++i)
+        if (i < dpl) out[lane + 32 * i] = acc[i];
+    if (lane == 0) {
+        out[hd] = m;
+        out[hd + 1] = l;
+    }
+}
+
+// One block per (query, head), one thread per dim: out = sum_s acc_s 2^(m_s - M) / sum_s l_s 2^(m_s - M).
+extern "C" __global__ void attention_combine(const float* __restrict__ part, int n_heads, int hd, int n_splits,
+                                             float* __restrict__ out, long out_stride) {
+    const int qi = blockIdx.x, head = blockIdx.y, d = threadIdx.x;
+    const float* p = part + ((long)qi * n_heads + head) * n_splits * (hd + 2);
+    float mx = NEG_INF;
+    for (int s = 0; s < n_splits; ++s) mx = fmaxf(mx, p[s * (hd + 2) + hd]);
+    float num = 0.0f, den = 0.0f;
+    for (int s = 0; s < n_splits; ++s) {
+        const float ms = p[s * (hd + 2) + hd];
+        if (ms == NEG_INF) continue;
+        const float f = exp2f(ms - mx);
+        den += p[s * (hd + 2) + hd + 1] * f;
+        if (d < hd) num += p[s * (hd + 2) + d] * f;
+    }
+    if (d < hd) out[qi * out_stride + (long)head * hd + d] = num / den;
+}

@@ -1,0 +1,242 @@
+"""Thin launchers of the CUDA kernels in engine/kernels/*.cu, built through CuPy's NVRTC once per process.
+
+CuPy keeps the compiled binaries in its on-disk kernel cache (keyed by the full source), so a second process
+loads them without compiling. Every launcher works on CuPy arrays and launches on the current CuPy stream; none
+allocates memory, so a sequence of them can be captured into a CUDA graph. Importing this module needs CuPy.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import cupy
+import numpy as np
+from cupy_backends.cuda.libs import cublas
+from gguf import GGMLQuantizationType as T
+
+from engine.kernels.gpu_layout import FLOAT_TYPES, KERNEL_SUFFIX, PLANE_ORDER, PLANES, planar_layout, to_planar
+
+_DIR = Path(__file__).parent
+_HEADER = "quant_blocks.cuh"
+WARPS = 4  # warps per block of the matrix-vector and attention kernels
+ATTN_Z_SPLITS = 8  # decode attention: grid.z blocks per head, times 4 warps = 32 splits of the KV range
+ACT_SILU, ACT_GELU_TANH = 0, 1
+
+i32, i64, f32 = np.int32, np.int64, np.float32
+
+
+@functools.cache
+def module(name: str) -> cupy.RawModule:
+    code = (_DIR / _HEADER).read_text() + "\n" + (_DIR / f"{name}.cu").read_text()
+    return cupy.RawModule(code=code, options=("-std=c++17",))
+
+
+@functools.cache
+def kernel(module_name: str, name: str) -> Any:
+    return module(module_name).get_function(name)
+
+
+@dataclass
+class GpuWeight:
+    """A weight in device memory as the GGUF stores it: planar quantized blocks, or the float values."""
+
+    name: str
+    shape: tuple[int, ...]
+    qtype: T
+    data: Any  # cupy uint8 planar buffer (quantized) or typed array (float types)
+    planes: tuple[Any, ...]  # the q, h, s, d plane views the kernels take (absent planes repeat q)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes)
+
+    @property
+    def quantized(self) -> bool:
+        return self.qtype in PLANES
+
+    @property
+    def suffix(self) -> str:
+        return KERNEL_SUFFIX[self.qtype]
+
+    def args(self) -> tuple[Any, ...]:
+        return self.planes if self.quantized else (self.data,)
+
+
+def upload_weight(name: str, qtype: T, shape: tuple[int, ...], raw: np.ndarray) -> GpuWeight:
+    """Copy a tensor's GGUF bytes to the device (quantized blocks regrouped into planes, nothing expanded)."""
+    if qtype in FLOAT_TYPES:
+        data = cupy.asarray(np.asarray(raw).view(FLOAT_TYPES[qtype]).reshape(shape))
+        return GpuWeight(name, tuple(shape), qtype, data, (data,))
+    buf, layout = to_planar(raw, qtype)
+    data = cupy.asarray(buf)
+    views = {p: data[o : o + n] for p, (o, n) in layout.offsets.items()}
+    planes = tuple(views.get(p, views["q"]) for p in PLANE_ORDER)
+    return GpuWeight(name, tuple(shape), qtype, data, planes)
+
+
+def _blocks(n: int, per_block: int) -> int:
+    return (n + per_block - 1) // per_block
+
+
+# ---- matrix-vector (decode) --------------------------------------------------------------------------
+
+def quantize_q8(x: Any, xq: Any, xds: Any) -> None:
+    """x (n, k) float32 contiguous -> xq (n*k,) int8, xds (n*k/32, 2) float32 (d, s)."""
+    groups = x.size // 32
+    kernel("matvec", "quantize_q8")((_blocks(groups, 8),), (256,), (x, xq, xds, i32(groups)))
+
+
+def matvec(w: GpuWeight, x: Any, xq: Any, xds: Any, out: Any, rows_per_warp: int = 1) -> None:
+    """out (m,) = w (m, k) . x (k,); quantized weights read xq/xds (quantize_q8 of x), float ones read x."""
+    m, k = w.shape
+    if w.quantized:
+        fn = kernel("matvec", f"matvec_{w.suffix}_r{rows_per_warp}")
+        fn((_blocks(m, WARPS * rows_per_warp),), (32 * WARPS,), (*w.args(), xq, xds, out, i32(m), i32(k)))
+    else:
+        kernel("matvec", f"matvec_{w.suffix}")((_blocks(m, WARPS),), (32 * WARPS,), (w.data, x, out, i32(m), i32(k)))
+
+
+def matvec_glu(gate: GpuWeight, up: GpuWeight, x: Any, xq: Any, xds: Any, out: Any, act: int) -> None:
+    """out (f,) = act(gate . x) * (up . x), both matrices read in one pass."""
+    m, k = gate.shape
+    fn = kernel("matvec", f"matvec_glu_{gate.suffix}")
+    src = (xq, xds) if gate.quantized else (x,)
+    fn((_blocks(m, WARPS),), (32 * WARPS,), (*gate.args(), *up.args(), *src, out, i32(m), i32(k), i32(act)))
+
+
+# ---- dequantize, prompt-path products, embedding -------------------------------------------------------
+
+def dequant(w: GpuWeight, out: Any, rows: Any = None, scale: float = 1.0, row_lo: int = 0) -> None:
+    """out (n, k) fp16 or float32 = rows of w (rows[i], or row_lo + i) times scale."""
+    n, k = out.shape
+    half = out.dtype == cupy.float16
+    fn = kernel("dequant", f"dequant_{w.suffix}_{'f16' if half else 'f32'}")
+    per_thread = 32 if w.quantized else 8
+    args = w.args()
+    if row_lo:
+        args = _row_slice(w, row_lo, row_lo + n)
+    rows_arg = rows if rows is not None else np.uintp(0)
+    fn((_blocks(n * k // per_thread, 256),), (256,), (*args, rows_arg, out, i32(n), i32(k), f32(scale)))
+
+
+def _row_slice(w: GpuWeight, lo: int, hi: int) -> tuple[Any, ...]:
+    """Plane views of rows [lo, hi) of w, for dequantizing a large matrix a slice at a time."""
+    m, k = w.shape
+    if not w.quantized:
+        return (w.data[lo:hi],)
+    elements = 32 if w.qtype in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0) else 256
+    bpr = k // elements
+    layout = planar_layout(w.qtype, m * bpr)
+    views = {}
+    for p, (o, _) in layout.offsets.items():
+        lo_b, hi_b = PLANES[w.qtype][p]
+        size = hi_b - lo_b
+        views[p] = w.data[o + lo * bpr * size : o + hi * bpr * size]
+    return tuple(views.get(p, views["q"]) for p in PLANE_ORDER)
+
+
+_ONE, _ZERO = np.array(1.0, np.float32), np.array(0.0, np.float32)
+
+
+def gemm_f16(a: Any, w: Any, out: Any) -> None:
+    """out (n, m) float32 = a (n, k) fp16 @ w (m, k).T fp16, fp32 accumulation on tensor cores (cuBLAS).
+    out may be a column slice of a wider row-major array (its row stride is passed as ldc)."""
+    n, k = a.shape
+    m = w.shape[0]
+    ldc = out.strides[0] // 4
+    cublas.gemmEx(
+        cupy.cuda.device.get_cublas_handle(), cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, m, n, k,
+        _ONE.ctypes.data, w.data.ptr, cupy.cuda.runtime.CUDA_R_16F, k,
+        a.data.ptr, cupy.cuda.runtime.CUDA_R_16F, k,
+        _ZERO.ctypes.data, out.data.ptr, cupy.cuda.runtime.CUDA_R_32F, ldc,
+        cublas.CUBLAS_COMPUTE_32F, cublas.CUBLAS_GEMM_DEFAULT_TENSOR_OP,
+    )
+
+
+def to_f16(x: Any, out: Any) -> None:
+    kernel("dequant", "f32_to_f16")((_blocks(x.size, 256),), (256,), (x, out, i64(x.size)))
+
+
+def glu(gate: Any, up: Any, out: Any, act: int) -> None:
+    kernel("dequant", "glu")((_blocks(out.size, 256),), (256,), (gate, up, out, i64(out.size), i32(act)))
+
+
+# ---- norms, rotary, attention --------------------------------------------------------------------------
+
+def _norm_threads(d: int) -> int:
+    return min(1024, max(32, 1 << (d - 1).bit_length())) if d < 1024 else 1024
+
+
+def rms_norm(x: Any, w: Any, eps: float, out: Any) -> None:
+    """Over the last axis of x (..., d); x and out may be strided views with contiguous rows."""
+    d = x.shape[-1]
+    inner = x.shape[-2] if x.ndim == 3 else 1
+    rows = x.size // d
+    x_stride = x.strides[0] // 4
+    o_stride = out.strides[0] // 4
+    kernel("norms", "rms_norm")(
+        (rows,), (_norm_threads(d),), (x, w, out, i32(d), f32(eps), i32(inner), i64(x_stride), i64(o_stride))
+    )
+
+
+def add_rms_norm(x: Any, residual: Any, w: Any, eps: float, out: Any) -> None:
+    n, d = x.shape
+    kernel("norms", "add_rms_norm")((n,), (_norm_threads(d),), (x, residual, w, out, i32(d), f32(eps)))
+
+
+def rope_store_kv(q, k, v, cos, sin, neox: bool, k_cache, v_cache, start) -> None:
+    """q (n, H, hd), k, v (n, KV, hd) strided views; k_cache/v_cache one layer's (KV, max_tokens, hd) fp16."""
+    n, n_heads, hd = q.shape
+    n_kv = k.shape[1]
+    rot = 2 * cos.shape[1]
+    kernel("rope", "rope_store_kv")(
+        (n, n_heads + n_kv), (max(32, min(128, hd // 2)),),
+        (q, k, v, i64(q.strides[0] // 4), i64(k.strides[0] // 4), i64(v.strides[0] // 4), i32(n_heads), i32(n_kv),
+         i32(hd), i32(rot), cos, sin, i32(1 if neox else 0), k_cache, v_cache, i32(k_cache.shape[1]), start),
+    )
+
+
+def attention_splits(n: int) -> tuple[int, int]:
+    """(grid z, warps per query): decode spreads one query's keys over 32 warps, chunks use one per query."""
+    return (ATTN_Z_SPLITS, 4) if n == 1 else (1, 1)
+
+
+def attention(q, k_cache, v_cache, start, out, scale: float, window: int, part) -> None:
+    """q (n, H, hd) strided view; out (n, H*hd); part: float32 scratch of n*H*splits*(hd+2)."""
+    n, n_heads, hd = q.shape
+    n_kv, max_tokens = k_cache.shape[0], k_cache.shape[1]
+    z, wpq = attention_splits(n)
+    qpb = 4 // wpq
+    kernel("attention", "attention_partial")(
+        (n_heads, _blocks(n, qpb), z), (128,),
+        (q, i64(q.strides[0] // 4), k_cache, v_cache, i32(max_tokens), i32(n_heads), i32(n_kv), i32(hd), start,
+         i32(n), i32(window), f32(scale * 1.4426950408889634), i32(wpq), part),
+    )
+    kernel("attention", "attention_combine")(
+        (n, n_heads), (32 * _blocks(hd, 32),), (part, i32(n_heads), i32(hd), i32(z * wpq), out, i64(out.strides[0] // 4))
+    )
+
+
+# ---- sampling ------------------------------------------------------------------------------------------
+
+def repeat_penalty(logits, out, ids, n_ids: int, penalty: float) -> None:
+    vocab = logits.size
+    kernel("sampling", "repeat_penalty")((_blocks(vocab, 256),), (256,), (logits, out, ids, i32(n_ids), f32(penalty), i32(vocab)))
+
+
+def argmax(v, out_id) -> None:
+    kernel("sampling", "argmax")((1,), (1024,), (v, i32(v.size), out_id))
+
+
+def topk(v, k: int, out_v, out_id) -> None:
+    """The k best of v (consumed) into out_v/out_id, best first, ties to the lower id."""
+    kernel("sampling", "topk")((1,), (1024,), (v, i32(v.size), i32(k), out_v, out_id))
+
+
+def sample_sorted(vals, ids, n: int, temperature: float, top_p: float, min_p: float, u: float, out_id) -> None:
+    kernel("sampling", "sample_sorted")(
+        (1,), (1024,), (vals, ids, i32(n), f32(1.0 / temperature), f32(top_p), f32(min_p), f32(u), out_id)
+    )

@@ -1,0 +1,93 @@
+"""How the GPU backend lays out a GGUF tensor's quantized blocks in device memory (host side, NumPy only).
+
+The bytes stay exactly the GGUF's, only regrouped: each block's fields are split into up to four planes (Q: low
+quant bits, H: high bits, S: sub-block scales, D: fp16 block scales) so that every block's quant bytes start on a
+16-byte boundary and a kernel can read them with one wide load (GGUF blocks of 18, 22 or 34 bytes cannot be).
+engine/kernels/quant_blocks.cuh decodes these planes; its per-type Q/H/S/D byte counts must match PLANES.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from gguf import GGMLQuantizationType as T
+
+from engine import quants
+
+# Per type: plane name -> (first byte, end byte) of that field inside one GGUF block.
+PLANES: dict[T, dict[str, tuple[int, int]]] = {
+    T.Q4_0: {"d": (0, 2), "q": (2, 18)},
+    T.Q4_1: {"d": (0, 4), "q": (4, 20)},
+    T.Q5_0: {"d": (0, 2), "h": (2, 6), "q": (6, 22)},
+    T.Q5_1: {"d": (0, 4), "h": (4, 8), "q": (8, 24)},
+    T.Q8_0: {"d": (0, 2), "q": (2, 34)},
+    T.Q4_K: {"d": (0, 4), "s": (4, 16), "q": (16, 144)},
+    T.Q5_K: {"d": (0, 4), "s": (4, 16), "h": (16, 48), "q": (48, 176)},
+    T.Q6_K: {"q": (0, 128), "h": (128, 192), "s": (192, 208), "d": (208, 210)},
+}
+FLOAT_TYPES = {T.F32: np.float32, T.F16: np.float16, T.BF16: np.uint16}
+KERNEL_SUFFIX = {
+    T.F32: "f32", T.F16: "f16", T.BF16: "bf16", T.Q4_0: "q4_0", T.Q4_1: "q4_1", T.Q5_0: "q5_0",
+    T.Q5_1: "q5_1", T.Q8_0: "q8_0", T.Q4_K: "q4_k", T.Q5_K: "q5_k", T.Q6_K: "q6_k",
+}
+PLANE_ORDER = ("q", "h", "s", "d")
+ALIGN = 256  # each plane starts on this boundary inside the one device buffer
+
+
+@dataclass(frozen=True)
+class PlanarLayout:
+    """Where each plane of a tensor lies in one byte buffer: name -> (offset, nbytes)."""
+
+    offsets: dict[str, tuple[int, int]]
+    nbytes: int
+
+
+def supported(qtype: T) -> bool:
+    return qtype in PLANES or qtype in FLOAT_TYPES
+
+
+def planar_layout(qtype: T, n_blocks: int) -> PlanarLayout:
+    offsets, at = {}, 0
+    for name in PLANE_ORDER:
+        if name in PLANES[qtype]:
+            lo, hi = PLANES[qtype][name]
+            offsets[name] = (at, (hi - lo) * n_blocks)
+            at += -(-(hi - lo) * n_blocks // ALIGN) * ALIGN
+    return PlanarLayout(offsets, at)
+
+
+def to_planar(raw: np.ndarray, qtype: T) -> tuple[np.ndarray, PlanarLayout]:
+    """The blocks of `raw` (a tensor's GGUF bytes) regrouped into one uint8 buffer of planes."""
+    _, block_bytes = quants.block_layout(qtype)
+    blocks = np.asarray(raw, dtype=np.uint8).reshape(-1, block_bytes)
+    layout = planar_layout(qtype, blocks.shape[0])
+    buf = np.zeros(layout.nbytes, np.uint8)
+    for name, (offset, nbytes) in layout.offsets.items():
+        lo, hi = PLANES[qtype][name]
+        buf[offset : offset + nbytes] = blocks[:, lo:hi].reshape(-1)
+    return buf, layout
+
+
+def from_planar(buf: np.ndarray, layout: PlanarLayout, qtype: T) -> np.ndarray:
+    """The GGUF bytes back from a planar buffer (the inverse of to_planar)."""
+    _, block_bytes = quants.block_layout(qtype)
+    first = next(iter(layout.offsets))
+    lo, hi = PLANES[qtype][first]
+    n_blocks = layout.offsets[first][1] // (hi - lo)
+    blocks = np.empty((n_blocks, block_bytes), np.uint8)
+    for name, (offset, nbytes) in layout.offsets.items():
+        lo, hi = PLANES[qtype][name]
+        blocks[:, lo:hi] = buf[offset : offset + nbytes].reshape(n_blocks, hi - lo)
+    return blocks.reshape(-1)
+
+
+def random_blocks(qtype: T, n_blocks: int, rng: np.random.Generator) -> np.ndarray:
+    """GGUF bytes of n_blocks random blocks whose fp16 scales (the D fields) are finite and small, so every
+    value they decode to is finite: inputs for kernel tests and for synthetic speed-test models."""
+    _, block_bytes = quants.block_layout(qtype)
+    blocks = rng.integers(0, 256, size=(n_blocks, block_bytes), dtype=np.uint8)
+    lo, hi = PLANES[qtype]["d"]
+    scales = (rng.standard_normal((n_blocks, (hi - lo) // 2)) * 0.01).astype(np.float16)
+    blocks[:, lo:hi] = scales.view(np.uint8)
+    return blocks.reshape(-1)

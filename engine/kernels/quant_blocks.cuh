@@ -1,0 +1,295 @@
+// GGML quantized block layouts, decoded once here and shared by the matrix-vector, dequantize and embedding
+// kernels. Prepended to those sources by engine/kernels/cuda.py (NVRTC needs no include path that way, and
+// CuPy's compile cache sees every byte of the source).
+//
+// Weights arrive "planar" (engine/kernels/gpu_layout.py): the bytes of each GGUF block are split by field into
+// up to four planes so the big planes can be read with aligned 16-byte loads:
+//   Q: the low quant bits, H: the high bits, S: sub-block scales, D: the fp16 block scale(s).
+// Block b of a tensor owns bytes [b * XB, (b + 1) * XB) of plane X. The planes hold exactly the GGUF bytes.
+//
+// Every decoder yields one group of 32 consecutive weights as 8 words of packed int8 values q (byte e of the
+// group is weight e, little-endian words), with  weight[e] = sc[e / 16] * q[e] + mn.  That form serves an
+// int8 dot product against an activation block quantized the same way (dp4a) and plain dequantization alike.
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+
+struct Planes {
+    const u8* q;
+    const u8* h;
+    const u8* s;
+    const u8* d;
+};
+
+__device__ __forceinline__ float h2f(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ u16 f2h(float f) {
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+__device__ __forceinline__ float bf2f(u16 b) { return __uint_as_float(((u32)b) << 16); }
+
+__device__ __forceinline__ int dp4a(int a, int b, int c) {
+    int d;
+    asm("dp4a.s32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+__device__ __forceinline__ uint4 ld16(const u8* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
+__device__ __forceinline__ u32 ld4(const u8* p) { return __ldg(reinterpret_cast<const u32*>(p)); }
+__device__ __forceinline__ u16 ld2(const u8* p) { return __ldg(reinterpret_cast<const u16*>(p)); }
+
+// Subtract c from each byte of a word whose bytes are all <= 127 (c <= 128): with each top bit set first no
+// byte borrows from its neighbour, and flipping the top bit back yields the two's-complement int8 result.
+__device__ __forceinline__ u32 sub_bytes(u32 q, u32 c) {
+    return ((q | 0x80808080u) - c * 0x01010101u) ^ 0x80808080u;
+}
+
+// Bits 0..3 of h moved to bit 4 of bytes 0..3 (the fifth quant bit of four consecutive weights). The four
+// shifted copies of h do not overlap, so the multiply has no carries.
+__device__ __forceinline__ u32 spread4_to_bit4(u32 h) { return (((h & 0xFu) * 0x00204081u) & 0x01010101u) << 4; }
+
+__device__ __forceinline__ void words8(const u8* p, u32 (&w)[8]) {
+    const uint4 a = ld16(p), b = ld16(p + 16);
+    w[0] = a.x; w[1] = a.y; w[2] = a.z; w[3] = a.w;
+    w[4] = b.x; w[5] = b.y; w[6] = b.z; w[7] = b.w;
+}
+
+// Q4_0: d (fp16) | qs[16]; weight i = low nibble of qs[i], weight i + 16 = high nibble; value d * (q - 8).
+struct BlockQ4_0 {
+    static constexpr int QK = 32, QB = 16, HB = 0, SB = 0, DB = 2;
+    __device__ static void group(const Planes& p, long blk, int, int (&w)[8], float (&sc)[2], float& mn) {
+        const uint4 a = ld16(p.q + blk * QB);
+        const u32 v[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+            w[t] = sub_bytes(v[t] & 0x0F0F0F0Fu, 8);
+            w[t + 4] = sub_bytes((v[t] >> 4) & 0x0F0F0F0Fu, 8);
+        }
+        sc[0] = sc[1] = h2f(ld2(p.d + blk * DB));
+        mn = 0.0f;
+    }
+};
+
+// Q4_1: d, m (fp16) | qs[16]; value d * q + m.
+struct BlockQ4_1 {
+    static constexpr int QK = 32, QB = 16, HB = 0, SB = 0, DB = 4;
+    __device__ static void group(const Planes& p, long blk, int, int (&w)[8], float (&sc)[2], float& mn) {
+        const uint4 a = ld16(p.q + blk * QB);
+        const u32 v[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+            w[t] = v[t] & 0x0F0F0F0Fu;
+            w[t + 4] = (v[t] >> 4) & 0x0F0F0F0Fu;
+        }
+        const u32 dm = ld4(p.d + blk * DB);
+        sc[0] = sc[1] = h2f((u16)(dm & 0xFFFF));
+        mn = h2f((u16)(dm >> 16));
+    }
+};
+
+// Q5_0: d | qh (32 bits, bit j = fifth bit of weight j) | qs[16]; value d * (q - 16).
+struct BlockQ5_0 {
+    static constexpr int QK = 32, QB = 16, HB = 4, SB = 0, DB = 2;
+    __device__ static void group(const Planes& p, long blk, int, int (&w)[8], float (&sc)[2], float& mn) {
+        const uint4 a = ld16(p.q + blk * QB);
+        const u32 v[4] = {a.x, a.y, a.z, a.w};
+        const u32 qh = ld4(p.h + blk * HB);
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+            w[t] = sub_bytes((v[t] & 0x0F0F0F0Fu) | spread4_to_bit4(qh >> (4 * t)), 16);
+            w[t + 4] = sub_bytes(((v[t] >> 4) & 0x0F0F0F0Fu) | spread4_to_bit4(qh >> (16 + 4 * t)), 16);
+        }
+        sc[0] = sc[1] = h2f(ld2(p.d + blk * DB));
+        mn = 0.0f;
+    }
+};
+
+// Q5_1: d, m | qh | qs[16]; value d * q + m.
+struct BlockQ5_1 {
+    static constexpr int QK = 32, QB = 16, HB = 4, SB = 0, DB = 4;
+    __device__ static void group(const Planes& p, long blk, int, int (&w)[8], float (&sc)[2], float& mn) {
+        const uint4 a = ld16(p.q + blk * QB);
+        const u32 v[4] = {a.x, a.y, a.z, a.w};
+        const u32 qh = ld4(p.h + blk * HB);
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+            w[t] = (v[t] & 0x0F0F0F0Fu) | spread4_to_bit4(qh >> (4 * t));
+            w[t + 4] = ((v[t] >> 4) & 0x0F0F0F0Fu) | spread4_to_bit4(qh >> (16 + 4 * t));
+        }
+        const u32 dm = ld4(p.d + blk * DB);
+        sc[0] = sc[1] = h2f((u16)(dm & 0xFFFF));
+        mn = h2f((u16)(dm >> 16));
+    }
+};
+
+// Q8_0: d | qs[32] int8; value d * q.
+struct BlockQ8_0 {
+    static constexpr int QK = 32, QB = 32, HB = 0, SB = 0, DB = 2;
+    __device__ static void group(const Planes& p, long blk, int, int (&w)[8], float (&sc)[2], float& mn) {
+        u32 v[8];
+        words8(p.q + blk * QB, v);
+#pragma unroll
+        for (int t = 0; t < 8; ++t) w[t] = v[t];
+        sc[0] = sc[1] = h2f(ld2(p.d + blk * DB));
+        mn = 0.0f;
+    }
+};
+
+// The 6-bit scale and min of sub-block j of a Q4_K/Q5_K super-block, from its 12 packed scale bytes
+// (bytes 0..3: low 6 bits of scales 0..3 and top 2 bits of scales 4..7; bytes 4..7 the same for the mins;
+// bytes 8..11: low 4 bits of scale 4+i and min 4+i).
+__device__ __forceinline__ void k_scale_min(const u8* s, int j, float& sc, float& mv) {
+    const u32 s0 = ld4(s), s1 = ld4(s + 4), s2 = ld4(s + 8);
+    auto byte = [&](int i) -> u32 { return ((i < 4 ? s0 : (i < 8 ? s1 : s2)) >> (8 * (i & 3))) & 0xFFu; };
+    u32 a, b;
+    if (j < 4) {
+        a = byte(j) & 63u;
+        b = byte(j + 4) & 63u;
+    } else {
+        a = (byte(j + 4) & 0xFu) | ((byte(j - 4) >> 6) << 4);
+        b = (byte(j + 4) >> 4) | ((byte(j) >> 6) << 4);
+    }
+    sc = (float)a;
+    mv = (float)b;
+}
+
+// Q4_K: d, dmin | scales[12] | qs[128]. Sub-block j (32 weights) uses the low nibbles of qs[32 (j/2) ..]
+// when j is even, the high nibbles when odd; value d * sc_j * q - dmin * m_j.
+struct BlockQ4_K {
+    static constexpr int QK = 256, QB = 128, HB = 0, SB = 12, DB = 4;
+    __device__ static void group(const Planes& p, long blk, int sub, int (&w)[8], float (&sc)[2], float& mn) {
+        u32 v[8];
+        words8(p.q + blk * QB + 32 * (sub >> 1), v);
+        const int shift = (sub & 1) * 4;
+#pragma unroll
+        for (int t = 0; t < 8; ++t) w[t] = (v[t] >> shift) & 0x0F0F0F0Fu;
+        float s, m;
+        k_scale_min(p.s + blk * SB, sub, s, m);
+        const u32 dm = ld4(p.d + blk * DB);
+        sc[0] = sc[1] = h2f((u16)(dm & 0xFFFF)) * s;
+        mn = -h2f((u16)(dm >> 16)) * m;
+    }
+};
+
+// Q5_K: as Q4_K plus qh[32]: bit j of qh[l] is the fifth bit of weight l of sub-block j.
+struct BlockQ5_K {
+    static constexpr int QK = 256, QB = 128, HB = 32, SB = 12, DB = 4;
+    __device__ static void group(const Planes& p, long blk, int sub, int (&w)[8], float (&sc)[2], float& mn) {
+        u32 v[8], hv[8];
+        words8(p.q + blk * QB + 32 * (sub >> 1), v);
+        words8(p.h + blk * HB, hv);
+        const int shift = (sub & 1) * 4;
+#pragma unroll
+        for (int t = 0; t < 8; ++t) w[t] = ((v[t] >> shift) & 0x0F0F0F0Fu) | (((hv[t] >> sub) & 0x01010101u) << 4);
+        float s, m;
+        k_scale_min(p.s + blk * SB, sub, s, m);
+        const u32 dm = ld4(p.d + blk * DB);
+        sc[0] = sc[1] = h2f((u16)(dm & 0xFFFF)) * s;
+        mn = -h2f((u16)(dm >> 16)) * m;
+    }
+};
+
+// Q6_K: ql[128] | qh[64] | scales[16] (int8, one per 16 weights) | d. Half n (128 weights) uses ql[64n..],
+// qh[32n..]; its group g takes the low (g < 2) or high nibbles of ql[64n + 32 (g & 1) ..] and bits 2g, 2g+1
+// of qh[32n ..]; value d * scale * (q - 32).
+struct BlockQ6_K {
+    static constexpr int QK = 256, QB = 128, HB = 64, SB = 16, DB = 2;
+    __device__ static void group(const Planes& p, long blk, int sub, int (&w)[8], float (&sc)[2], float& mn) {
+        const int n = sub >> 2, g = sub & 3;
+        u32 v[8], hv[8];
+        words8(p.q + blk * QB + 64 * n + 32 * (g & 1), v);
+        words8(p.h + blk * HB + 32 * n, hv);
+        const int lshift = (g >> 1) * 4, hshift = 2 * g;
+#pragma unroll
+        for (int t = 0; t < 8; ++t)
+            w[t] = sub_bytes(((v[t] >> lshift) & 0x0F0F0F0Fu) | (((hv[t] >> hshift) & 0x03030303u) << 4), 32);
+        const float d = h2f(ld2(p.d + blk * DB));
+        const u8* s = p.s + blk * SB + 8 * n + 2 * g;
+        sc[0] = d * (float)(signed char)__ldg(s);
+        sc[1] = d * (float)(signed char)__ldg(s + 1);
+        mn = 0.0f;
+    }
+};
+
+// Decode group g (0-based along the row) of row `row` of a matrix with k columns.
+template <class B>
+__device__ __forceinline__ void decode_group(const Planes& p, long row, int k, int g, int (&w)[8], float (&sc)[2],
+                                             float& mn) {
+    constexpr int GPB = B::QK / 32;  // groups per block
+    const long blk = row * (long)(k / B::QK) + g / GPB;
+    B::group(p, blk, g % GPB, w, sc, mn);
+}
+
+// Instantiate MACRO(name, BlockType) for every quantized type.
+#define FOR_EACH_QUANT(MACRO)   \
+    MACRO(q4_0, BlockQ4_0)      \
+    MACRO(q4_1, BlockQ4_1)      \
+    MACRO(q5_0, BlockQ5_0)      \
+    MACRO(q5_1, BlockQ5_1)      \
+    MACRO(q8_0, BlockQ8_0)      \
+    MACRO(q4_k, BlockQ4_K)      \
+    MACRO(q5_k, BlockQ5_K)      \
+    MACRO(q6_k, BlockQ6_K)
+
+// Float weight types, 8 consecutive values per read.
+struct WF32 {
+    typedef float T;
+    __device__ static void load8(const float* p, long i, float (&v)[8]) {
+        const float4 a = __ldg(reinterpret_cast<const float4*>(p + i));
+        const float4 b = __ldg(reinterpret_cast<const float4*>(p + i + 4));
+        v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+    }
+};
+
+template <bool BF>
+struct WHalf {
+    typedef u16 T;
+    __device__ static void load8(const u16* p, long i, float (&v)[8]) {
+        const uint4 a = __ldg(reinterpret_cast<const uint4*>(p + i));
+        const u32 u[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+            v[2 * t] = BF ? bf2f((u16)(u[t] & 0xFFFF)) : h2f((u16)(u[t] & 0xFFFF));
+            v[2 * t + 1] = BF ? bf2f((u16)(u[t] >> 16)) : h2f((u16)(u[t] >> 16));
+        }
+    }
+};
+typedef WHalf<false> WF16;
+typedef WHalf<true> WBF16;
+
+#define FOR_EACH_FLOAT(MACRO) \
+    MACRO(f32, WF32)          \
+    MACRO(f16, WF16)          \
+    MACRO(bf16, WBF16)
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xFFFFFFFFu, v, o));
+    return v;
+}
+
+// FFN activations: 0 = silu (SwiGLU), 1 = gelu with the tanh approximation (GeGLU).
+__device__ __forceinline__ float act_silu(float g) { return g / (1.0f + expf(-g)); }
+
+__device__ __forceinline__ float act_gelu_tanh(float g) {
+    const float c = 0.7978845608028654f;  // sqrt(2 / pi)
+    return 0.5f * g * (1.0f + tanhf(c * (g + 0.044715f * g * g * g)));
+}
+
+__device__ __forceinline__ float activate(float g, int act) { return act == 0 ? act_silu(g) : act_gelu_tanh(g); }
+
+#define NEG_INF __int_as_float(0xff800000)

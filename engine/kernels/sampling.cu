@@ -1,0 +1,167 @@
+// Token sampling on the GPU; only the chosen id goes back to the host. Follows SamplingParams in
+// engine/backend.py: repeat penalty, then argmax (temperature <= 0) or top-k candidates (ties: lower id
+// first), softmax at the temperature, top-p, min-p, and the pick against one uniform number.
+
+// out = logits with the repeat penalty applied to every id listed in ids (duplicates count once, as the
+// membership test sees each vocabulary entry once).
+extern "C" __global__ void repeat_penalty(const float* __restrict__ logits, float* __restrict__ out,
+                                          const int* __restrict__ ids, int n_ids, float penalty, int vocab) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= vocab) return;
+    float v = logits[i];
+    for (int t = 0; t < n_ids; ++t) {
+        if (__ldg(ids + t) == i) {
+            v = v > 0.0f ? v / penalty : v * penalty;
+            break;
+        }
+    }
+    out[i] = v;
+}
+
+// (value, id) order: higher value first, then lower id.
+__device__ __forceinline__ bool better(float v, int i, float bv, int bi) { return v > bv || (v == bv && i < bi); }
+
+// Block-wide best (value, id) of the per-thread candidates; every thread gets the result.
+__device__ void block_best(float& v, int& i, float* sv, int* si) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xFFFFFFFFu, v, o);
+        const int oi = __shfl_xor_sync(0xFFFFFFFFu, i, o);
+        if (better(ov, oi, v, i)) { v = ov; i = oi; }
+    }
+    const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+    if (lane == 0) { sv[warp] = v; si[warp] = i; }
+    __syncthreads();
+    v = lane < blockDim.x / 32 ? sv[lane] : NEG_INF;
+    i = lane < blockDim.x / 32 ? si[lane] : 0x7FFFFFFF;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xFFFFFFFFu, v, o);
+        const int oi = __shfl_xor_sync(0xFFFFFFFFu, i, o);
+        if (better(ov, oi, v, i)) { v = ov; i = oi; }
+    }
+    __syncthreads();
+}
+
+// The best of this thread's strided entries, skipping those already taken (value set to -inf by topk).
+__device__ __forceinline__ void local_best(const float* v, int n, float& bv, int& bi) {
+    bv = NEG_INF;
+    bi = 0x7FFFFFFF;
+    for (int i = threadIdx.x; i < n; i += blockDim.x)
+        if (better(v[i], i, bv, bi)) { bv = v[i]; bi = i; }
+}
+
+// One block: out_id[0] = argmax (lowest id on ties).
+extern "C" __global__ void argmax(const float* __restrict__ v, int n, int* __restrict__ out_id) {
+    __shared__ float sv[32];
+    __shared__ int si[32];
+    float bv;
+    int bi;
+    local_best(v, n, bv, bi);
+    block_best(bv, bi, sv, si);
+    if (threadIdx.x == 0) out_id[0] = bi;
+}
+
+// One block: the k best entries of v in order. v is consumed (taken entries become -inf); only the thread
+// that owned the winner rescans its entries each round, so a round costs one block reduction.
+extern "C" __global__ void topk(float* __restrict__ v, int n, int k, float* __restrict__ out_v,
+                                int* __restrict__ out_id) {
+    __shared__ float sv[32];
+    __shared__ int si[32];
+    float mv;
+    int mi;
+    local_best(v, n, mv, mi);
+    for (int r = 0; r < k; ++r) {
+        float bv = mv;
+        int bi = mi;
+        block_best(bv, bi, sv, si);
+        if (threadIdx.x == 0) { out_v[r] = bv; out_id[r] = bi; }
+        if (bi != 0x7FFFFFFF && bi % blockDim.x == threadIdx.x) {
+            v[bi] = NEG_INF;
+            local_best(v, n, mv, mi);
+        }
+    }
+}
+
+// Inclusive block scan of one value per thread; returns the scan and sets total.
+__device__ float block_scan(float x, float* sh, float& total) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, n_warps = blockDim.x / 32;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const float y = __shfl_up_sync(0xFFFFFFFFu, x, o);
+        if (lane >= o) x += y;
+    }
+    if (lane == 31) sh[warp] = x;
+    __syncthreads();
+    if (warp == 0) {
+        float w = lane < n_warps ? sh[lane] : 0.0f;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const float y = __shfl_up_sync(0xFFFFFFFFu, w, o);
+            if (lane >= o) w += y;
+        }
+        if (lane < n_warps) sh[lane] = w;
+    }
+    __syncthreads();
+    if (warp > 0) x += sh[warp - 1];
+    total = sh[n_warps - 1];
+    __syncthreads();
+    return x;
+}
+
+// First index i < n where prefix_sum(p)[i] > target (or >= when inclusive_eq), else n. p_i is recomputed as
+// exp((vals[i] - vals[0]) * inv_temp).
+__device__ int first_cross(const float* vals, int n, float inv_temp, float target, bool ge, float* sh, int* found) {
+    if (threadIdx.x == 0) *found = n;
+    __syncthreads();
+    float run = 0.0f;
+    for (int base = 0; base < n; base += blockDim.x) {
+        const int i = base + threadIdx.x;
+        const float p = i < n ? expf((vals[i] - vals[0]) * inv_temp) : 0.0f;
+        float total;
+        const float c = run + block_scan(p, sh, total);
+        if (i < n && (ge ? c >= target : c > target)) atomicMin(found, i);
+        run += total;
+        __syncthreads();
+        if (*found < n) break;
+    }
+    return *found;
+}
+
+// One block over candidates sorted best first: softmax at the temperature, keep the top-p prefix and the
+// min-p prefix (probabilities are decreasing, so both are prefixes), pick the first kept candidate whose
+// cumulative probability exceeds u times the kept total.
+extern "C" __global__ void sample_sorted(const float* __restrict__ vals, const int* __restrict__ ids, int n,
+                                         float inv_temp, float top_p, float min_p, float u,
+                                         int* __restrict__ out_id) {
+    __shared__ float sh[32];
+    __shared__ int found;
+    float total = 0.0f;
+    for (int base = 0; base < n; base += blockDim.x) {
+        const int i = base + threadIdx.x;
+        float t;
+        block_scan(i < n ? expf((vals[i] - vals[0]) * inv_temp) : 0.0f, sh, t);
+        total += t;
+    }
+    int keep = n;
+    if (top_p < 1.0f) keep = min(keep, first_cross(vals, n, inv_temp, top_p * total, true, sh, &found) + 1);
+    if (min_p > 0.0f) {
+        // p_i / p_0 >= min_p, p_0 = 1 here; the first index that fails ends the kept prefix.
+        if (threadIdx.x == 0) found = n;
+        __syncthreads();
+        for (int i = threadIdx.x; i < n; i += blockDim.x)
+            if (expf((vals[i] - vals[0]) * inv_temp) < min_p) atomicMin(&found, i);
+        __syncthreads();
+        keep = min(keep, max(found, 1));
+        __syncthreads();
+    }
+    float kept = 0.0f;
+    for (int base = 0; base < keep; base += blockDim.x) {
+        const int i = base + threadIdx.x;
+        float t;
+        block_scan(i < keep ? expf((vals[i] - vals[0]) * inv_temp) : 0.0f, sh, t);
+        kept += t;
+    }
+    const int pick = first_cross(vals, keep, inv_temp, u * kept, false, sh, &found);
+    if (threadIdx.x == 0) out_id[0] = ids[min(pick, keep - 1)];
+}

@@ -1,0 +1,65 @@
+"""The GPU weight layout and the GPU-only reference steps, checked without a GPU."""
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+
+from engine import quants
+from engine.kernels import reference
+from engine.kernels.gpu_layout import ALIGN, PLANES, from_planar, random_blocks, to_planar
+
+
+@pytest.mark.parametrize("qtype", list(PLANES))
+def test_planes_cover_each_block_exactly_once(qtype):
+    _, block_bytes = quants.block_layout(qtype)
+    covered = sorted(b for lo, hi in PLANES[qtype].values() for b in range(lo, hi))
+    assert covered == list(range(block_bytes))
+
+
+@pytest.mark.parametrize("qtype", list(PLANES))
+def test_planar_round_trip_and_alignment(qtype):
+    rng = np.random.default_rng(1)
+    raw = random_blocks(qtype, 37, rng)
+    buf, layout = to_planar(raw, qtype)
+    assert np.array_equal(from_planar(buf, layout, qtype), raw)
+    for offset, _ in layout.offsets.values():
+        assert offset % ALIGN == 0
+    q_bytes = PLANES[qtype]["q"][1] - PLANES[qtype]["q"][0]
+    assert q_bytes % 16 == 0, "the kernels read each block's quant bytes with 16-byte loads"
+
+
+@pytest.mark.parametrize("qtype", list(PLANES))
+def test_random_blocks_decode_to_finite_values(qtype):
+    elements, _ = quants.block_layout(qtype)
+    raw = random_blocks(qtype, 64, np.random.default_rng(2))
+    values = quants.dequantize(raw, qtype, (64 * elements,))
+    assert np.isfinite(values).all() and np.abs(values).max() > 0
+
+
+def test_quantize_q8_round_trip_error_is_within_half_a_step():
+    x = np.random.default_rng(3).standard_normal((4, 256)).astype(np.float32)
+    q, d, s = reference.quantize_q8(x)
+    assert q.dtype == np.int8 and d.shape == (4, 8) and s.shape == (4, 8)
+    back = q.reshape(-1, 32).astype(np.float32) * d.reshape(-1, 1)
+    assert np.all(np.abs(back - x.reshape(-1, 32)) <= d.reshape(-1, 1) * 0.5 + 1e-7)
+    assert np.abs(q).max() == 127
+    assert np.allclose(s.reshape(-1), d.reshape(-1) * q.reshape(-1, 32).sum(axis=1))
+
+
+def test_quantize_q8_of_zeros_is_zero():
+    q, d, s = reference.quantize_q8(np.zeros((1, 64), np.float32))
+    assert not q.any() and not d.any() and not s.any()
+
+
+def test_linear_q8_is_close_to_linear():
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((1, 128)).astype(np.float32)
+    w = rng.standard_normal((16, 128)).astype(np.float32)
+    exact, approx = np.empty((1, 16), np.float32), np.empty((1, 16), np.float32)
+    reference.linear(x, w, exact)
+    reference.linear_q8(x, w, approx)
+    assert 0 < np.linalg.norm(approx - exact) / np.linalg.norm(exact) < 2e-2
+
+
+def test_gguf_types_the_gpu_backend_takes():
+    assert set(PLANES) == {T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K}
