@@ -1,0 +1,98 @@
+"""Sampling: the reference op on hand-made distributions, and the seeded host stream."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine.backend import SamplingParams
+from engine.backend_numpy import NumpyBackend
+from engine.errors import EngineError
+from engine.kernels.reference import sample
+from engine.sampler import Sampler
+
+# Probabilities 0.5, 0.25, 0.15, 0.07, 0.03 for ids 3, 0, 4, 1, 2 (deliberately not in id order).
+PROBS = np.array([0.25, 0.07, 0.03, 0.5, 0.15])
+LOGITS = np.log(PROBS).astype(np.float32)
+PLAIN = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
+
+
+def picks(params: SamplingParams, logits=LOGITS, recent=np.zeros(0, np.int32), n=2000):
+    """Which ids sample() returns over a uniform grid of n draws, with their frequencies."""
+    chosen = [sample(logits, params, recent, u) for u in (np.arange(n) + 0.5) / n]
+    ids, counts = np.unique(chosen, return_counts=True)
+    return dict(zip(ids.tolist(), (counts / n).round(3).tolist()))
+
+
+def test_plain_sampling_follows_the_distribution():
+    assert picks(SamplingParams(**PLAIN)) == {3: 0.5, 0: 0.25, 4: 0.15, 1: 0.07, 2: 0.03}
+
+
+def test_greedy_and_top_k_1_pick_the_argmax():
+    for u in (0.0, 0.3, 0.999):
+        assert sample(LOGITS, SamplingParams(temperature=0), np.zeros(0, np.int32), u) == 3
+        assert sample(LOGITS, SamplingParams(**{**PLAIN, "top_k": 1}), np.zeros(0, np.int32), u) == 3
+
+
+def test_top_k_keeps_the_k_most_likely():
+    assert set(picks(SamplingParams(**{**PLAIN, "top_k": 2}))) == {3, 0}
+    assert picks(SamplingParams(**{**PLAIN, "top_k": 2}))[3] == pytest.approx(0.5 / 0.75, abs=1e-3)
+
+
+def test_top_p_keeps_the_smallest_prefix_reaching_p():
+    # 0.5 + 0.25 = 0.75 < 0.8, so the third token (0.15) is needed; 0.9 is reached without the last two.
+    assert set(picks(SamplingParams(**{**PLAIN, "top_p": 0.8}))) == {3, 0, 4}
+    assert set(picks(SamplingParams(**{**PLAIN, "top_p": 0.7}))) == {3, 0}
+    assert set(picks(SamplingParams(**{**PLAIN, "top_p": 0.1}))) == {3}
+
+
+def test_min_p_drops_tokens_below_a_fraction_of_the_best():
+    # 0.2 * 0.5 = 0.1: ids 1 (0.07) and 2 (0.03) go, 4 (0.15) stays.
+    assert set(picks(SamplingParams(**{**PLAIN, "min_p": 0.2}))) == {3, 0, 4}
+    assert set(picks(SamplingParams(**{**PLAIN, "min_p": 0.6}))) == {3}
+
+
+def test_temperature_sharpens_and_flattens():
+    cold = picks(SamplingParams(**{**PLAIN, "temperature": 0.5}))
+    hot = picks(SamplingParams(**{**PLAIN, "temperature": 2.0}))
+    assert cold[3] > 0.5 > hot[3]
+    assert cold[3] == pytest.approx(0.25 / (PROBS**2).sum(), abs=2e-3)
+
+
+def test_repeat_penalty_lowers_recent_tokens_of_either_sign():
+    logits = np.array([2.0, -1.0, 1.9, -0.5], dtype=np.float32)
+    greedy = SamplingParams(temperature=0, repeat_penalty=1.5)
+    assert sample(logits, greedy, np.array([0], np.int32), 0.5) == 2  # 2.0 / 1.5 < 1.9
+    assert sample(logits, SamplingParams(temperature=0), np.array([0], np.int32), 0.5) == 0
+    # A negative logit is multiplied, so it moves further down, not up.
+    negative = np.array([-1.0, -1.2], dtype=np.float32)
+    assert sample(negative, greedy, np.array([0], np.int32), 0.5) == 1
+    assert logits[0] == 2.0  # the op does not modify its input
+
+
+def test_seed_reproduces_and_differs():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=1000).astype(np.float32) * 3
+    params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
+
+    def run(seed):
+        sampler = Sampler(NumpyBackend(), params, seed)
+        return [sampler.next_token(logits, []) for _ in range(50)]
+
+    assert run(7) == run(7)
+    assert run(7) != run(8)
+
+
+@pytest.mark.parametrize(
+    "params, fragment",
+    [
+        (SamplingParams(temperature=-1), "temperature"),
+        (SamplingParams(top_k=-2), "top_k"),
+        (SamplingParams(top_p=0.0), "top_p"),
+        (SamplingParams(min_p=1.5), "min_p"),
+        (SamplingParams(repeat_penalty=0), "repeat_penalty"),
+    ],
+)
+def test_bad_settings_are_explained(params, fragment):
+    with pytest.raises(EngineError, match=fragment):
+        Sampler(NumpyBackend(), params)
