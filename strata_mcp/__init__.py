@@ -1,0 +1,3 @@
+"""Strata MCP: run a local language model on this PC, driven by an AI assistant over MCP."""
+
+__version__ = "0.1.0"

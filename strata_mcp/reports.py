@@ -1,0 +1,81 @@
+"""Pydantic views of the engine slot that start, stop and status share."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from strata_mcp.runtime import EngineSlot, measure_memory
+
+
+class MemoryReport(BaseModel):
+    process_rss_bytes: int = Field(description="Resident memory of the server process now.")
+    process_growth_bytes: int | None = Field(None, description="How much the process grew since just before the load.")
+    gpu_used_bytes: int | None = Field(None, description="Memory in use on the first NVIDIA GPU (NVML), all processes.")
+    gpu_growth_bytes: int | None = Field(None, description="How much GPU memory use grew since just before the load.")
+    engine_host_bytes: int | None = Field(None, description="Host memory the engine's own buffers hold.")
+    engine_device_bytes: int | None = Field(None, description="GPU memory the engine's own buffers hold.")
+    estimated_bytes: int | None = Field(None, description="choose_model's estimate for this model and context.")
+
+
+class LoadProgressView(BaseModel):
+    done: int
+    total: int
+    message: str
+
+
+class ChatTimings(BaseModel):
+    prompt_tokens: int
+    cached_prompt_tokens: int = Field(description="Prompt tokens reused from the previous turn's KV cache.")
+    completion_tokens: int
+    prompt_seconds: float
+    decode_seconds: float
+    prompt_tokens_per_second: float
+    output_tokens_per_second: float
+
+
+class EngineStatus(BaseModel):
+    state: Literal["stopped", "loading", "ready", "busy", "failed"]
+    model: str | None = None
+    backend: str | None = None
+    backend_reason: str | None = None
+    context_length: int | None = None
+    load_progress: LoadProgressView | None = None
+    load_seconds: float | None = None
+    error: str | None = None
+    memory: MemoryReport | None = None
+    last_chat: ChatTimings | None = None
+
+
+def memory_report(slot: EngineSlot, estimated_bytes: int | None = None) -> MemoryReport:
+    now = measure_memory()
+    before = slot.memory_before_load or {}
+    report = MemoryReport(
+        process_rss_bytes=now["process_rss_bytes"],
+        gpu_used_bytes=now["gpu_used_bytes"],
+        estimated_bytes=estimated_bytes,
+    )
+    if before:
+        report.process_growth_bytes = now["process_rss_bytes"] - before["process_rss_bytes"]
+        if now["gpu_used_bytes"] is not None and before.get("gpu_used_bytes") is not None:
+            report.gpu_growth_bytes = now["gpu_used_bytes"] - before["gpu_used_bytes"]
+    if slot.model is not None:
+        used = slot.model.memory_in_use()
+        report.engine_host_bytes = used.get("host_bytes")
+        report.engine_device_bytes = used.get("device_bytes")
+    return report
+
+
+def engine_status(slot: EngineSlot, estimated_bytes: int | None = None) -> EngineStatus:
+    status = EngineStatus(state=slot.state, model=slot.model_id, error=slot.error, load_seconds=slot.load_seconds)
+    if slot.state == "loading":
+        status.load_progress = LoadProgressView(done=slot.load.done, total=slot.load.total, message=slot.load.message)
+    if slot.model is not None:
+        info = slot.model.info
+        status.backend, status.backend_reason, status.context_length = info.backend, info.backend_reason, info.context_length
+    if slot.state != "stopped":
+        status.memory = memory_report(slot, estimated_bytes)
+    if slot.last_chat is not None:
+        status.last_chat = ChatTimings(**slot.last_chat)
+    return status

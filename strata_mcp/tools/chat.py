@@ -1,0 +1,103 @@
+"""chat: answer with the loaded model."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from mcp.types import ToolAnnotations
+from pydantic import BaseModel, Field, model_validator
+
+from engine import GenerationSettings
+from strata_mcp.reports import ChatTimings
+from strata_mcp.runtime import Runtime
+from strata_mcp.tooling import Reporter, ToolSpec
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class ChatInput(BaseModel):
+    messages: list[ChatMessage] | None = Field(
+        None, description="The conversation so far, oldest first, ending with the user's turn. Give this or prompt."
+    )
+    prompt: str | None = Field(None, description="A single user message (shorthand for messages=[{role: user, content: prompt}]).")
+    max_tokens: int = Field(512, ge=1, le=32768, description="Most tokens to generate.")
+    temperature: float = Field(0.7, ge=0, le=5, description="0 = greedy (deterministic).")
+    top_k: int = Field(40, ge=0, le=100000, description="Keep the k most likely tokens (0 = off).")
+    top_p: float = Field(0.95, gt=0, le=1, description="Nucleus sampling threshold (1 = off).")
+    min_p: float = Field(0.05, ge=0, le=1, description="Drop tokens less likely than min_p x the top token (0 = off).")
+    repeat_penalty: float = Field(1.0, ge=0.5, le=3, description="Penalty for tokens already in the text (1 = off).")
+    seed: int | None = Field(None, ge=0, description="Fixes the sampling for a reproducible answer.")
+    stop: list[str] = Field(default_factory=list, max_length=16, description="Stop when any of these strings appears.")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ChatInput:
+        if (self.messages is None) == (self.prompt is None):
+            raise ValueError("give either messages or prompt, not both and not neither")
+        if self.messages is not None and not self.messages:
+            raise ValueError("messages is empty; include at least the user's message")
+        return self
+
+    def conversation(self) -> list[dict[str, str]]:
+        if self.messages is not None:
+            return [m.model_dump() for m in self.messages]
+        return [{"role": "user", "content": self.prompt or ""}]
+
+    def settings(self) -> GenerationSettings:
+        return GenerationSettings(
+            max_tokens=self.max_tokens, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+            min_p=self.min_p, repeat_penalty=self.repeat_penalty, seed=self.seed, stop=list(self.stop),
+        )
+
+
+class ChatOutput(BaseModel):
+    summary: str
+    text: str = Field(description="The model's answer.")
+    finish_reason: Literal["stop", "length", "cancelled"]
+    model: str
+    timings: ChatTimings
+
+
+def run(runtime: Runtime, args: ChatInput, reporter: Reporter) -> ChatOutput:
+    with runtime.chatting() as (model, cancel_event):
+        pieces: list[str] = []
+
+        def on_text(text: str) -> None:
+            pieces.append(text)
+            reporter.progress(len(pieces), args.max_tokens, "".join(pieces)[-200:])
+
+        result = model.chat(
+            args.conversation(), args.settings(), on_text=on_text,
+            should_stop=lambda: cancel_event.is_set() or reporter.cancelled(),
+        )
+    timings = ChatTimings(
+        prompt_tokens=result.prompt_tokens, cached_prompt_tokens=result.cached_prompt_tokens,
+        completion_tokens=result.completion_tokens, prompt_seconds=result.prompt_seconds,
+        decode_seconds=result.decode_seconds, prompt_tokens_per_second=result.prompt_tokens_per_second,
+        output_tokens_per_second=result.output_tokens_per_second,
+    )
+    runtime.slot.last_chat = timings.model_dump()
+    summary = (
+        f"{result.completion_tokens} tokens ({result.finish_reason}) at {result.output_tokens_per_second:.1f} tokens/s; "
+        f"prompt {result.prompt_tokens} tokens at {result.prompt_tokens_per_second:.0f} tokens/s."
+    )
+    return ChatOutput(summary=summary, text=result.text, finish_reason=result.finish_reason,
+                      model=runtime.slot.model_id or "", timings=timings)
+
+
+SPEC = ToolSpec(
+    name="chat",
+    title="Chat with the local model",
+    description=(
+        "Answer with the loaded model: pass messages (multi-turn; the KV cache of the shared prefix is reused, "
+        "so follow-ups are fast) or a single prompt, plus sampling settings (temperature 0 = greedy). Returns "
+        "the text, why it stopped, token counts and speeds. Needs a started model; one chat runs at a time "
+        "(a second concurrent chat is refused, not queued). Cancelling the request stops generation cleanly."
+    ),
+    input_model=ChatInput,
+    output_model=ChatOutput,
+    run=run,
+    annotations=ToolAnnotations(readOnlyHint=False, destructiveHint=False, idempotentHint=False, openWorldHint=False),
+)

@@ -1,0 +1,69 @@
+"""start: load an installed model into the engine (in the background)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from mcp.types import ToolAnnotations
+from pydantic import BaseModel, Field
+
+from strata_mcp.reports import EngineStatus, engine_status
+from strata_mcp.runtime import Runtime, UserError
+from strata_mcp.tooling import Reporter, ToolSpec
+
+
+class StartInput(BaseModel):
+    model: str | None = Field(None, description="Installed model id; default: the only installed model, or the embedded default.")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="auto: the GPU when an NVIDIA GPU with CUDA and CuPy is usable, else the CPU."
+    )
+    context_length: int | None = Field(None, ge=256, le=1_048_576, description="Tokens of context; default 4096 or the model's maximum if smaller.")
+    wait_seconds: float = Field(120.0, ge=0, le=3600, description="How long to wait for the load (reporting progress) before returning 'loading'.")
+
+
+class StartOutput(BaseModel):
+    summary: str
+    engine: EngineStatus
+
+
+def _pick_model(runtime: Runtime, requested: str | None) -> str:
+    if requested is not None:
+        return requested
+    installed = [m.id for m in runtime.store.installed()]
+    if len(installed) == 1:
+        return installed[0]
+    if not installed:
+        raise UserError("No model is installed yet; call install (confirm=true) first.")
+    raise UserError(f"Several models are installed ({', '.join(installed)}); pass model to say which to start.")
+
+
+def run(runtime: Runtime, args: StartInput, reporter: Reporter) -> StartOutput:
+    model_id = _pick_model(runtime, args.model)
+    runtime.start_model(model_id, args.device, args.context_length)
+    slot = runtime.wait_until_loaded(args.wait_seconds, reporter.cancelled, reporter.progress)
+    status = engine_status(slot, runtime.estimated_bytes(slot))
+    if slot.state in ("ready", "busy"):
+        summary = (
+            f"{model_id} is ready on {status.backend} ({status.backend_reason}), context {status.context_length} tokens, "
+            f"loaded in {slot.load_seconds:.1f} s; next: chat."
+        )
+    elif slot.state == "loading":
+        summary = f"{model_id} is still loading ({slot.load.message}); call status or start again to follow it."
+    else:
+        summary = f"{model_id} did not load: {slot.error}"
+    return StartOutput(summary=summary, engine=status)
+
+
+SPEC = ToolSpec(
+    name="start",
+    title="Start (load) a model",
+    description=(
+        "Load an installed model into the in-process engine (GPU when available, else CPU) and wait up to "
+        "wait_seconds, reporting progress; returns 'ready' or 'loading'. One model is loaded at a time: "
+        "stop the current one first. Says which backend was chosen and why."
+    ),
+    input_model=StartInput,
+    output_model=StartOutput,
+    run=run,
+    annotations=ToolAnnotations(readOnlyHint=False, destructiveHint=False, idempotentHint=True, openWorldHint=False),
+)

@@ -1,0 +1,55 @@
+"""status: what is loaded, what it is doing, memory, last speeds, installs."""
+
+from __future__ import annotations
+
+from mcp.types import ToolAnnotations
+from pydantic import BaseModel, Field
+
+from setup_logic.install import InstallProgress
+from setup_logic.store import InstalledModel
+from strata_mcp.reports import EngineStatus, engine_status
+from strata_mcp.runtime import Runtime
+from strata_mcp.tooling import Reporter, ToolSpec
+
+
+class StatusInput(BaseModel):
+    """status takes no arguments."""
+
+
+class StatusOutput(BaseModel):
+    summary: str
+    engine: EngineStatus
+    installed: list[InstalledModel]
+    installs: list[InstallProgress] = Field(description="Install jobs of this server run, finished or not.")
+    data_dir: str
+
+
+def run(runtime: Runtime, args: StatusInput, reporter: Reporter) -> StatusOutput:
+    slot = runtime.slot
+    engine = engine_status(slot, runtime.estimated_bytes(slot))
+    installed = runtime.store.installed()
+    installs = runtime.installer.jobs()
+    if engine.state == "stopped":
+        head = "No model loaded"
+    else:
+        head = f"{engine.model}: {engine.state}" + (f" on {engine.backend}" if engine.backend else "")
+    running = [j for j in installs if j.state in ("queued", "downloading", "verifying")]
+    summary = f"{head}; {len(installed)} model(s) installed" + (f"; {len(running)} install(s) running" if running else "") + "."
+    return StatusOutput(
+        summary=summary, engine=engine, installed=installed, installs=installs, data_dir=str(runtime.store.data_dir)
+    )
+
+
+SPEC = ToolSpec(
+    name="status",
+    title="Status",
+    description=(
+        "What the engine is doing (stopped, loading, ready, busy, failed), which model on which backend, "
+        "memory in use (measured, next to the estimate), the last chat's speeds, the installed models and "
+        "any install in progress."
+    ),
+    input_model=StatusInput,
+    output_model=StatusOutput,
+    run=run,
+    annotations=ToolAnnotations(readOnlyHint=True, openWorldHint=False),
+)

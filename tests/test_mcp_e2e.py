@@ -1,0 +1,167 @@
+"""The whole chain through the official `mcp` client, spawning the installed `strata-mcp` over stdio."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import anyio
+import pytest
+from mcp import ClientSession
+from mcp.client.stdio import StdioServerParameters, stdio_client
+
+pytestmark = [pytest.mark.anyio, pytest.mark.slow]
+
+TOOLS = {"check_pc", "choose_model", "install", "start", "chat", "status", "stop"}
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+def server_command() -> str:
+    found = shutil.which("strata-mcp", path=str(Path(sys.executable).parent)) or shutil.which("strata-mcp")
+    assert found, "strata-mcp is not installed (pip install -e '.[test]')"
+    return found
+
+
+@asynccontextmanager
+async def connect(data_dir: Path):
+    env = {**os.environ, "STRATA_DATA_DIR": str(data_dir), "CUDA_VISIBLE_DEVICES": ""}
+    params = StdioServerParameters(command=server_command(), args=[], env=env)
+    async with stdio_client(params) as (read, write), ClientSession(read, write) as session:
+        await session.initialize()
+        yield session
+
+
+async def call(session: ClientSession, name: str, **args):
+    """Call a tool that must succeed; return its structured result."""
+    result = await session.call_tool(name, args, read_timeout_seconds=600)
+    text = " ".join(getattr(c, "text", "") for c in result.content)
+    assert not result.is_error, f"{name} failed: {text}"
+    assert result.structured_content is not None
+    assert result.structured_content["summary"], f"{name} has no summary"
+    return result.structured_content
+
+
+async def call_error(session: ClientSession, name: str, **args) -> str:
+    """Call a tool that must fail cleanly; return its message."""
+    result = await session.call_tool(name, args, read_timeout_seconds=600)
+    assert result.is_error, f"{name} should have failed"
+    return " ".join(getattr(c, "text", "") for c in result.content)
+
+
+async def test_tools_list_has_both_schemas(tmp_path):
+    async with connect(tmp_path / "data") as session:
+        listed = (await session.list_tools()).tools
+    assert {t.name for t in listed} == TOOLS
+    for tool in listed:
+        assert tool.input_schema["type"] == "object", tool.name
+        assert tool.output_schema and "summary" in tool.output_schema["properties"], tool.name
+        assert tool.description
+    by_name = {t.name: t for t in listed}
+    assert by_name["check_pc"].annotations.read_only_hint is True
+    assert by_name["status"].annotations.read_only_hint is True
+    assert by_name["choose_model"].annotations.read_only_hint is True
+    assert by_name["install"].annotations.open_world_hint is True
+    assert by_name["stop"].annotations.destructive_hint is True
+    assert set(by_name["chat"].input_schema["properties"]) >= {"messages", "prompt", "temperature", "max_tokens", "stop"}
+
+
+async def test_whole_chain(tmp_path, smollm2_gguf):
+    data = tmp_path / "data"
+    progress: list[float] = []
+
+    async def on_progress(value, total, message):
+        progress.append(value)
+
+    async with connect(data) as session:
+        pc = await call(session, "check_pc")
+        assert pc["pc"]["ram_total_bytes"] > 0 and pc["pc"]["verdict"]
+
+        choice = await call(session, "choose_model", goal="chat")
+        assert choice["choice"]["model_id"] == "smollm2-135m-instruct"
+
+        plan = await call(session, "install", model="smollm2-135m-instruct")
+        assert plan["action"] == "plan" and plan["plan"]["download_bytes"] > 90_000_000
+        assert not any(data.rglob("*.gguf")), "a plan must write nothing"
+
+        await call_error(session, "chat", prompt="hello")  # nothing loaded yet
+
+        installed = await session.call_tool(
+            "install", {"model": "smollm2-135m-instruct", "confirm": True, "wait_seconds": 600},
+            read_timeout_seconds=900, progress_callback=on_progress,
+        )
+        assert not installed.is_error, installed.content
+        assert installed.structured_content["action"] == "installed"
+        assert progress == sorted(progress) and len(set(progress)) == len(progress)
+
+        started = await call(session, "start", model="smollm2-135m-instruct", device="cpu", wait_seconds=300)
+        assert started["engine"]["state"] == "ready"
+        assert started["engine"]["backend"] == "numpy"
+
+        answer = await call(session, "chat", prompt="What is the capital of France?", temperature=0, max_tokens=32)
+        assert "Paris" in answer["text"]
+        assert answer["timings"]["completion_tokens"] > 0 and answer["timings"]["output_tokens_per_second"] > 0
+
+        follow_up = await call(
+            session, "chat", temperature=0, max_tokens=16,
+            messages=[
+                {"role": "user", "content": "What is the capital of France?"},
+                {"role": "assistant", "content": answer["text"]},
+                {"role": "user", "content": "And of Germany?"},
+            ],
+        )
+        assert follow_up["timings"]["cached_prompt_tokens"] > 0
+
+        status = await call(session, "status")
+        assert status["engine"]["state"] == "ready"
+        assert status["engine"]["last_chat"]["completion_tokens"] == follow_up["timings"]["completion_tokens"]
+        assert [m["id"] for m in status["installed"]] == ["smollm2-135m-instruct"]
+
+        stopped = await call(session, "stop")
+        assert stopped["stopped_model"] == "smollm2-135m-instruct"
+        assert (await call(session, "status"))["engine"]["state"] == "stopped"
+
+
+async def test_bad_input_is_a_clear_error(tmp_path):
+    data = tmp_path / "data"
+    async with connect(data) as session:
+        message = await call_error(session, "install", model="no-such-model")
+        assert "no-such-model" in message and "smollm2-135m-instruct" in message
+
+        message = await call_error(session, "start", model="smollm2-135m-instruct")
+        assert "install" in message.lower()
+
+        message = await call_error(session, "chat", prompt="hi")
+        assert "start" in message.lower()
+
+        message = await call_error(session, "chat", prompt="hi", messages=[{"role": "user", "content": "hi"}])
+        assert "either messages or prompt" in message
+
+        message = await call_error(session, "chat", prompt="hi", max_tokens="many")
+        assert "max_tokens" in message
+
+        message = await call_error(session, "choose_model", goal="poetry")
+        assert "goal" in message
+
+        status = await call(session, "status")
+        assert status["installed"] == [] and status["engine"]["state"] == "stopped"
+    assert not any(data.rglob("*.gguf"))
+
+
+async def test_cancelled_chat_leaves_the_model_ready(tmp_path, smollm2_gguf, installed_data_dir):
+    async with connect(installed_data_dir) as session:
+        await call(session, "start", device="cpu", wait_seconds=300)
+        with anyio.move_on_after(1.0):
+            await session.call_tool("chat", {"prompt": "Write a long story.", "max_tokens": 2000, "temperature": 0})
+        await anyio.sleep(1.0)
+        # A second chat works: the cancelled one released the model.
+        answer = await call(session, "chat", prompt="Say hi.", max_tokens=4, temperature=0)
+        assert answer["timings"]["completion_tokens"] >= 1
+        status = await call(session, "status")
+        assert status["engine"]["state"] == "ready"
