@@ -58,6 +58,11 @@ class Tokenizer:
 
     def __init__(self, gguf: GGUFFile):
         kind = gguf.get("tokenizer.ggml.model")
+        if kind is None:
+            raise EngineError(
+                f"{gguf.path.name} has no tokenizer in its metadata (tokenizer.ggml.model); it is not a complete "
+                "model file. Download the model again or pick another one."
+            )
         if kind != "gpt2":
             raise EngineError(
                 f"The model {gguf.path.name} uses a {kind!r} tokenizer; this engine supports byte-level BPE "
