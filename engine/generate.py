@@ -168,7 +168,7 @@ def generate(
 
     text = StopStringFilter(settings.stop, on_text)
     decoder = tokenizer.stream_decoder()
-    completion, steps, finish, cut = 0, 0, "length", False
+    completion, steps, finish = 0, 0, "length"
     decode_started = time.perf_counter()
     while True:
         if token in stop_ids:
@@ -177,7 +177,7 @@ def generate(
         completion += 1
         history.append(token)
         if text.feed(decoder.push(token)):
-            finish, cut = "stop", True
+            finish = "stop"
             break
         if completion >= settings.max_tokens or len(state.cached) >= state.cached.capacity:
             break
@@ -187,8 +187,7 @@ def generate(
         logits = decode_one_token(state, token)
         token = sampler.next_token(logits, history)
         steps += 1
-    if not cut:
-        text.feed(decoder.flush())
+    # Bytes of a character the last token left unfinished are dropped rather than shown as U+FFFD.
     text.finish()
     decode_seconds = time.perf_counter() - decode_started
     processed = len(prompt) - reused

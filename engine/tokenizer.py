@@ -140,9 +140,7 @@ class StreamDecoder:
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def push(self, token_id: int) -> str:
-        """The complete characters this token finishes (may be "" while a character is incomplete)."""
+        """The complete characters this token finishes (may be "" while a character is incomplete). Bytes that
+        can never form a character become U+FFFD; those of a character still incomplete at the end of
+        generation are never returned."""
         return self._utf8.decode(self._tokenizer.token_bytes(token_id))
-
-    def flush(self) -> str:
-        """Whatever is left at the end (an incomplete character becomes U+FFFD)."""
-        return self._utf8.decode(b"", final=True)

@@ -63,8 +63,7 @@ def test_stream_decoder_never_splits_a_character(tokenizers):
     ids = ours.encode(text)
     decoder = ours.stream_decoder()
     pieces = [decoder.push(i) for i in ids]
-    pieces.append(decoder.flush())
     assert "".join(pieces) == text
     # Some emoji byte sequences span several tokens: those pushes must yield nothing, not half a character.
-    assert any(p == "" for p in pieces[:-1])
+    assert any(p == "" for p in pieces)
     assert all("\ufffd" not in p for p in pieces)
