@@ -1,0 +1,138 @@
+"""Times the hot GPU kernels on their own (an H200 is what it was written for): the decode matrix-vector
+product per weight type and variant, and the prompt path's dequantize + cuBLAS product.
+
+Prints one JSON line per measurement. Decode launches are captured in a CUDA graph and replayed, rotating over
+enough weight copies that they do not fit in L2, so the time is the kernel's, not Python's or the cache's.
+Usage: python bench/gpu_kernels.py
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import cupy as cp
+import numpy as np
+from gguf import GGMLQuantizationType as T
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine import quants  # noqa: E402
+from engine.kernels import cuda as K  # noqa: E402
+from engine.kernels.gpu_layout import random_blocks  # noqa: E402
+
+L2_BYTES = 60 * 2**20
+BANDWIDTH = 4.3e12
+
+
+def timed_eager(launch, reps: int = 10) -> float:
+    """Median seconds of one `launch()` launched directly (for cuBLAS, which CuPy cannot capture)."""
+    launch()
+    times = []
+    for _ in range(reps):
+        a, b = cp.cuda.Event(), cp.cuda.Event()
+        a.record()
+        launch()
+        b.record()
+        b.synchronize()
+        times.append(cp.cuda.get_elapsed_time(a, b) / 1e3)
+    return float(np.median(times))
+
+
+def timed_graph(launch, reps: int = 20) -> float:
+    """Median seconds of one `launch()` (which may launch several kernels), replayed from a CUDA graph."""
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        launch()
+        stream.begin_capture()
+        for _ in range(reps):
+            launch()
+        graph = stream.end_capture()
+        graph.launch(stream)
+        stream.synchronize()
+        times = []
+        for _ in range(7):
+            a, b = cp.cuda.Event(), cp.cuda.Event()
+            a.record(stream)
+            graph.launch(stream)
+            b.record(stream)
+            b.synchronize()
+            times.append(cp.cuda.get_elapsed_time(a, b) / 1e3 / reps)
+    return float(np.median(times))
+
+
+def weight_copies(qtype, m, k, rng):
+    elements, block_bytes = quants.block_layout(qtype)
+    raw = random_blocks(qtype, m * k // elements, rng)
+    copies = max(2, -(-3 * L2_BYTES // raw.nbytes))
+    return [K.upload_weight("w", qtype, (m, k), raw) for _ in range(copies)], raw.nbytes
+
+
+def bench_matvec(rng):
+    shapes = {"8B qkv": (6144, 4096), "8B ffn_down": (4096, 14336), "8B ffn_gate+up": (14336, 4096),
+              "1.2B o": (2048, 2048), "8B head": (128256, 4096)}
+    for qtype in (T.Q4_0, T.Q4_K, T.Q6_K, T.Q8_0, T.Q4_1):
+        for label, (m, k) in shapes.items():
+            ws, nbytes = weight_copies(qtype, m, k, rng)
+            x = cp.asarray(rng.standard_normal(k).astype(np.float32))
+            xq, xds = cp.empty(k, cp.int8), cp.empty((k // 32, 2), cp.float32)
+            out = cp.empty(m, cp.float32)
+            K.quantize_q8(x, xq, xds)
+            variants = {"r1": 1, "r2": 2} if "gate" not in label else {"glu": 0}
+            for name, r in variants.items():
+                if name == "glu":
+                    def launch():
+                        for i in range(0, len(ws) - 1, 2):
+                            K.matvec_glu(ws[i], ws[i + 1], x, xq, xds, out, K.ACT_SILU)
+                    per = len(ws) // 2
+                else:
+                    def launch():
+                        for w in ws:
+                            K.matvec(w, x, xq, xds, out, r)
+                    per = len(ws)
+                t = timed_graph(launch) / per
+                print(json.dumps({"kernel": "matvec", "type": qtype.name, "shape": label, "m": m, "k": k,
+                                  "variant": name, "us": round(t * 1e6, 2),
+                                  "GB/s": round(nbytes * (2 if name == "glu" else 1) / t / 1e9, 1),
+                                  "fraction_of_4.3TB/s": round(nbytes * (2 if name == "glu" else 1) / t / BANDWIDTH, 3)}),
+                      flush=True)
+            del ws
+
+
+def bench_prompt(rng):
+    for qtype in (T.Q4_0, T.Q4_K):
+        for label, (m, k) in {"8B ffn_gate": (14336, 4096), "8B ffn_down": (4096, 14336), "1.2B ffn": (8192, 2048)}.items():
+            ws, _ = weight_copies(qtype, m, k, rng)
+            w = ws[0]
+            scratch = cp.empty((m, k), cp.float16)
+            for n in (128, 512, 2048):
+                xh = cp.asarray(rng.standard_normal((n, k)).astype(np.float16))
+                out = cp.empty((n, m), cp.float32)
+                t_deq = timed_graph(lambda: K.dequant(w, scratch), reps=5)
+                t_mm = timed_eager(lambda: K.gemm_f16(xh, scratch, out))
+                flops = 2.0 * n * m * k
+                print(json.dumps({"kernel": "prompt_linear", "type": qtype.name, "shape": label, "n": n,
+                                  "dequant_us": round(t_deq * 1e6, 1), "gemm_us": round(t_mm * 1e6, 1),
+                                  "gemm_TFLOP/s": round(flops / t_mm / 1e12, 1),
+                                  "total_TFLOP/s": round(flops / (t_mm + t_deq) / 1e12, 1)}), flush=True)
+            del ws, scratch
+
+
+def bench_copy():
+    a = cp.empty(2**30, cp.uint8)
+    b = cp.empty_like(a)
+    t = timed_graph(lambda: cp.copyto(b, a), reps=5)
+    print(json.dumps({"kernel": "device_copy", "GB": 1.07, "TB/s (read+write)": round(2 * a.nbytes / t / 1e12, 2)}))
+
+
+def main() -> None:
+    rng = np.random.default_rng(0)
+    print(json.dumps({"gpu": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "cupy": cp.__version__}))
+    bench_copy()
+    bench_matvec(rng)
+    bench_prompt(rng)
+
+
+if __name__ == "__main__":
+    main()

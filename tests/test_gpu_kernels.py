@@ -1,0 +1,264 @@
+"""Every CUDA kernel against its NumPy reference on fresh random inputs (needs CuPy and an NVIDIA GPU).
+
+Outputs are poisoned with NaN before each launch, so an element a kernel fails to write shows up as NaN.
+Tolerances (relative error of the whole output): float32 arithmetic 1e-5, fp16 operands 1e-2.
+"""
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+
+from engine import quants
+from engine.backend import SamplingParams
+from engine.kernels import reference
+from engine.kernels.gpu_layout import FLOAT_TYPES, PLANES, random_blocks
+
+cp = pytest.importorskip("cupy")
+try:
+    _GPUS = cp.cuda.runtime.getDeviceCount()
+except cp.cuda.runtime.CUDARuntimeError:
+    _GPUS = 0
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_GPUS == 0, reason="no NVIDIA GPU")]
+
+from engine.kernels import cuda as K  # noqa: E402  (needs CuPy)
+
+QUANT_TYPES = list(PLANES)
+ALL_TYPES = QUANT_TYPES + list(FLOAT_TYPES)
+
+
+def rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert not np.isnan(a).any(), "NaN in the output: an element was not written or the math broke"
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def poisoned(shape, dtype=np.float32):
+    return cp.full(shape, np.nan, dtype)
+
+
+def random_weight(qtype, m, k, rng):
+    """(GGUF bytes, float32 values) of a random (m, k) weight."""
+    if qtype in FLOAT_TYPES:
+        values = rng.standard_normal((m, k)).astype(np.float32)
+        if qtype == T.BF16:
+            raw = (values.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8).reshape(-1)
+        else:
+            raw = values.astype(FLOAT_TYPES[qtype]).view(np.uint8).reshape(-1)
+    else:
+        elements, _ = quants.block_layout(qtype)
+        raw = random_blocks(qtype, m * k // elements, rng)
+    return raw, quants.dequantize(raw, qtype, (m, k)).astype(np.float32)
+
+
+def q8_input(x):
+    q, d, _ = reference.quantize_q8(x)
+    return (q.reshape(-1, 32).astype(np.float64) * d.reshape(-1, 1)).reshape(x.shape)
+
+
+def test_quantize_q8_is_bit_exact():
+    rng = np.random.default_rng()
+    x = (rng.standard_normal((3, 4096)) * rng.uniform(0.1, 10)).astype(np.float32)
+    x[0, :32] = 0.0  # an all-zero group
+    xq, xds = cp.zeros(x.size, cp.int8), poisoned((x.size // 32, 2))
+    K.quantize_q8(cp.asarray(x), xq, xds)
+    q, d, s = reference.quantize_q8(x)
+    assert np.array_equal(xq.get(), q.reshape(-1))
+    assert np.array_equal(xds[:, 0].get(), d.reshape(-1))
+    assert np.array_equal(xds[:, 1].get(), s.reshape(-1))
+
+
+@pytest.mark.parametrize("rows_per_warp", [1, 2])
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
+def test_matvec(qtype, rows_per_warp):
+    rng = np.random.default_rng()
+    m, k = 1003, 2048  # m not a multiple of the rows a block covers
+    raw, w = random_weight(qtype, m, k, rng)
+    x = rng.standard_normal(k).astype(np.float32)
+    gw = K.upload_weight("w", qtype, (m, k), raw)
+    xd = cp.asarray(x)
+    xq, xds = cp.empty(k, cp.int8), cp.empty((k // 32, 2), cp.float32)
+    K.quantize_q8(xd, xq, xds)
+    out = poisoned(m)
+    if gw.quantized:
+        K.matvec(gw, xd, xq, xds, out, rows_per_warp)
+        expect = w.astype(np.float64) @ q8_input(x)
+    else:
+        K.matvec(gw, xd, xq, xds, out)
+        expect = w.astype(np.float64) @ x
+    assert rel(out.get(), expect) < 1e-5
+
+
+@pytest.mark.parametrize("act", [K.ACT_SILU, K.ACT_GELU_TANH])
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_K, T.Q6_K, T.F16], ids=lambda t: t.name)
+def test_matvec_glu(qtype, act):
+    rng = np.random.default_rng()
+    m, k = 517, 1024
+    (rg, wg), (ru, wu) = random_weight(qtype, m, k, rng), random_weight(qtype, m, k, rng)
+    x = rng.standard_normal(k).astype(np.float32)
+    gate, up = K.upload_weight("g", qtype, (m, k), rg), K.upload_weight("u", qtype, (m, k), ru)
+    xd = cp.asarray(x)
+    xq, xds = cp.empty(k, cp.int8), cp.empty((k // 32, 2), cp.float32)
+    K.quantize_q8(xd, xq, xds)
+    out = poisoned(m)
+    K.matvec_glu(gate, up, xd, xq, xds, out, act)
+    xin = q8_input(x) if gate.quantized else x.astype(np.float64)
+    g, u = wg.astype(np.float64) @ xin, wu.astype(np.float64) @ xin
+    a = g / (1 + np.exp(-g)) if act == K.ACT_SILU else 0.5 * g * (1 + np.tanh(0.7978845608028654 * (g + 0.044715 * g**3)))
+    assert rel(out.get(), a * u) < 1e-5
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
+def test_dequant_rows_and_embedding_gather(qtype):
+    rng = np.random.default_rng()
+    m, k = 96, 512
+    raw, w = random_weight(qtype, m, k, rng)
+    gw = K.upload_weight("w", qtype, (m, k), raw)
+    out32 = poisoned((m, k))
+    K.dequant(gw, out32)
+    assert rel(out32.get(), w) < 1e-6
+    out16 = poisoned((m, k), cp.float16)
+    K.dequant(gw, out16)
+    assert rel(out16.get(), w) < 1e-3
+    part = poisoned((m - 40, k), cp.float16)
+    K.dequant(gw, part, row_lo=40)
+    assert rel(part.get(), w[40:]) < 1e-3
+    tokens = rng.integers(0, m, 17).astype(np.int32)
+    emb = poisoned((17, k))
+    K.dequant(gw, emb, rows=cp.asarray(tokens), scale=1.5)
+    expect = np.empty((17, k), np.float32)
+    reference.embed(w, tokens, expect, 1.5)
+    assert rel(emb.get(), expect) < 1e-6
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_K, T.Q8_0], ids=lambda t: t.name)
+def test_prompt_product_dequant_then_cublas(qtype):
+    rng = np.random.default_rng()
+    n, m, k = 77, 640, 1024
+    raw, w = random_weight(qtype, m, k, rng)
+    x = rng.standard_normal((n, k)).astype(np.float32)
+    gw = K.upload_weight("w", qtype, (m, k), raw)
+    wh, xh = cp.empty((m, k), cp.float16), cp.empty((n, k), cp.float16)
+    K.dequant(gw, wh)
+    K.to_f16(cp.asarray(x), xh)
+    wide = poisoned((n, m + 64))
+    K.gemm_f16(xh, wh, wide[:, 32 : 32 + m])  # into a column slice of a wider array, as the QKV views are
+    assert rel(wide[:, 32 : 32 + m].get(), x.astype(np.float64) @ w.T.astype(np.float64)) < 1e-2
+    assert np.isnan(wide[:, :32].get()).all() and np.isnan(wide[:, 32 + m :].get()).all()
+
+
+def test_glu_elementwise():
+    rng = np.random.default_rng()
+    g, u = rng.standard_normal((5, 300)).astype(np.float32), rng.standard_normal((5, 300)).astype(np.float32)
+    out = poisoned((5, 300))
+    K.glu(cp.asarray(g), cp.asarray(u), out, K.ACT_SILU)
+    assert rel(out.get(), g / (1 + np.exp(-g.astype(np.float64))) * u) < 1e-5
+
+
+@pytest.mark.parametrize("d", [64, 576, 4096])
+def test_rms_norm_and_add_rms_norm(d):
+    rng = np.random.default_rng()
+    n = 9
+    x, r = (rng.standard_normal((n, d)).astype(np.float32) for _ in range(2))
+    w = rng.standard_normal(d).astype(np.float32)
+    out = poisoned((n, d))
+    K.rms_norm(cp.asarray(x), cp.asarray(w), 1e-5, out)
+    expect = np.empty_like(x)
+    reference.rms_norm(x, w, 1e-5, expect)
+    assert rel(out.get(), expect) < 1e-5
+    res_d, out = cp.asarray(r), poisoned((n, d))
+    K.add_rms_norm(cp.asarray(x), res_d, cp.asarray(w), 1e-5, out)
+    reference.add_rms_norm(x, r, w, 1e-5, expect)
+    assert rel(res_d.get(), r) < 1e-6
+    assert rel(out.get(), expect) < 1e-5
+
+
+def test_rms_norm_per_head_on_strided_view():
+    rng = np.random.default_rng()
+    n, heads, hd, width = 5, 4, 64, 4 * 64 + 128
+    buf = rng.standard_normal((n, width)).astype(np.float32)
+    w = rng.standard_normal(hd).astype(np.float32)
+    dev = cp.asarray(buf)
+    view = dev[:, : heads * hd].reshape(n, heads, hd)
+    K.rms_norm(view, cp.asarray(w), 1e-6, view)
+    expect = buf.copy()
+    v = expect[:, : heads * hd].reshape(n, heads, hd)
+    reference.rms_norm(v.copy(), w, 1e-6, v)
+    assert rel(dev.get(), expect) < 1e-5
+
+
+@pytest.mark.parametrize("neox", [False, True])
+def test_rope_store_kv(neox):
+    rng = np.random.default_rng()
+    n, heads, kv, hd, rot, max_tokens, start = 7, 8, 2, 64, 48, 64, 21
+    width = (heads + 2 * kv) * hd
+    qkv = rng.standard_normal((n, width)).astype(np.float32)
+    inv_freq = (1.0 / 10000 ** (np.arange(0, rot, 2) / rot)).astype(np.float32)
+    cos, sin = reference.rope_tables(inv_freq, max_tokens)
+    kc = cp.asarray(rng.standard_normal((kv, max_tokens, hd)).astype(np.float16))
+    vc = cp.asarray(rng.standard_normal((kv, max_tokens, hd)).astype(np.float16))
+    kc_ref, vc_ref = kc.get().astype(np.float32), vc.get().astype(np.float32)
+    dev = cp.asarray(qkv)
+    views = (dev[:, : heads * hd].reshape(n, heads, hd), dev[:, heads * hd : (heads + kv) * hd].reshape(n, kv, hd),
+             dev[:, (heads + kv) * hd :].reshape(n, kv, hd))
+    K.rope_store_kv(*views, cp.asarray(cos), cp.asarray(sin), neox, kc, vc, cp.asarray([start], cp.int32))
+    q, k, v = (qkv[:, : heads * hd].reshape(n, heads, hd), qkv[:, heads * hd : (heads + kv) * hd].reshape(n, kv, hd),
+               qkv[:, (heads + kv) * hd :].reshape(n, kv, hd))
+    reference.rope_store_kv(q, k, v, cos, sin, "neox" if neox else "normal", kc_ref, vc_ref, start)
+    assert rel(dev.get(), qkv) < 1e-5
+    assert rel(kc.get(), kc_ref) < 1e-3 and rel(vc.get(), vc_ref) < 1e-3
+
+
+@pytest.mark.parametrize("n,start,window,hd", [(1, 0, 0, 64), (1, 300, 0, 128), (1, 300, 100, 64), (37, 50, 0, 64),
+                                                (130, 0, 0, 128), (20, 90, 33, 64)])
+def test_attention(n, start, window, hd):
+    rng = np.random.default_rng()
+    heads, kv, max_tokens = 8, 2, 512
+    kc = rng.standard_normal((kv, max_tokens, hd)).astype(np.float16)
+    vc = rng.standard_normal((kv, max_tokens, hd)).astype(np.float16)
+    qkv = rng.standard_normal((n, heads * hd + 16)).astype(np.float32)
+    q = qkv[:, : heads * hd].reshape(n, heads, hd)
+    z, wpq = K.attention_splits(n)
+    part = cp.empty(n * heads * z * wpq * (hd + 2), cp.float32)
+    out = poisoned((n, heads * hd))
+    qd = cp.asarray(qkv)[:, : heads * hd].reshape(n, heads, hd)
+    scale = 1 / np.sqrt(hd)
+    K.attention(qd, cp.asarray(kc), cp.asarray(vc), cp.asarray([start], cp.int32), out, scale, window, part)
+    expect = np.empty((n, heads * hd), np.float32)
+    reference.attention(q, kc.astype(np.float32), vc.astype(np.float32), start, expect, scale, window)
+    assert rel(out.get(), expect) < 1e-5
+
+
+def test_argmax_and_repeat_penalty():
+    rng = np.random.default_rng()
+    vocab = 49152
+    logits = rng.standard_normal(vocab).astype(np.float32)
+    logits[[100, 20000]] = logits.max() + 1.0  # a tie: the lower id wins
+    out_id = cp.full(1, -1, cp.int32)
+    K.argmax(cp.asarray(logits), out_id)
+    assert int(out_id.get()[0]) == 100
+    recent = np.array([100, 5, 5, 20000, 7], np.int32)
+    pen = poisoned(vocab)
+    K.repeat_penalty(cp.asarray(logits), pen, cp.asarray(recent), recent.size, 1.3)
+    expect = logits.copy()
+    ids = np.unique(recent)
+    expect[ids] = np.where(expect[ids] > 0, expect[ids] / 1.3, expect[ids] * 1.3)
+    assert np.array_equal(pen.get(), expect)
+
+
+@pytest.mark.parametrize("top_k,top_p,min_p,temp", [(40, 0.95, 0.05, 0.7), (1, 1.0, 0.0, 1.0), (200, 0.5, 0.0, 1.3),
+                                                    (1000, 1.0, 0.2, 0.5)])
+def test_topk_then_sample_matches_reference(top_k, top_p, min_p, temp):
+    rng = np.random.default_rng()
+    vocab = 32000
+    logits = (rng.standard_normal(vocab) * 3).astype(np.float32)
+    params = SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=1.0)
+    vals, ids, out_id = cp.empty(top_k, cp.float32), cp.empty(top_k, cp.int32), cp.empty(1, cp.int32)
+    K.topk(cp.asarray(logits), top_k, vals, ids)
+    order = np.argsort(-logits, kind="stable")[:top_k]
+    assert np.array_equal(ids.get(), order) and np.array_equal(vals.get(), logits[order])
+    agree = 0
+    draws = rng.random(200)
+    for u in draws:
+        K.sample_sorted(vals, ids, top_k, temp, top_p, min_p, float(u), out_id)
+        agree += int(out_id.get()[0]) == reference.sample(logits, params, np.zeros(0, np.int32), float(u))
+    assert agree >= 199, f"{agree}/200 draws agree with the reference"
