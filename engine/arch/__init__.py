@@ -18,6 +18,8 @@ from engine.errors import EngineError
 
 ARCHITECTURES = {
     "llama": "engine.arch.llama",
+    "qwen2": "engine.arch.qwen3",
+    "qwen3": "engine.arch.qwen3",
 }
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import numpy as np
+from gguf import GGMLQuantizationType
 
 from engine import quants
 from engine.backend import Backend, WeightHandle
@@ -77,3 +78,10 @@ def rope_inv_freq(gguf: GGUFFile, rot_dim: int, base: float) -> np.ndarray:
             "(supported: none, linear). Pick another model."
         )
     return inv_freq.astype(np.float32)
+
+
+def concat_vectors(name: str, tensors: list[GGUFTensor]) -> GGUFTensor:
+    """One vector holding several (e.g. the Q, K and V biases of a fused projection), as float32."""
+    values = [quants.dequantize(t.raw, t.qtype, t.shape).reshape(-1).astype(np.float32) for t in tensors]
+    joined = np.concatenate(values)
+    return GGUFTensor(name, GGMLQuantizationType.F32, joined.shape, joined.view(np.uint8))

@@ -1,0 +1,166 @@
+"""Write a Hugging Face transformers model (a tiny random one, in the tests) to GGUF the way llama.cpp's
+converter lays it out: llama.cpp's tensor names, the Q/K row permutation of llama, the +1 Gemma folds into
+its norm weights, the stacked expert tensors of MoE models, Llama 3's rope_freqs, and each architecture's
+metadata keys. The tokenizer metadata is copied from another GGUF, so token ids mean the same on both sides.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+
+# transformers' per-layer names -> llama.cpp's, for the layer parts every architecture here shares.
+_LAYER_NAMES = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "input_layernorm": "attn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp",
+}
+# Where the norm after attention sits: before the MLP in llama/qwen, around the block outputs in Gemma 3.
+_NORMS = {
+    "gemma3": {
+        "post_attention_layernorm": "post_attention_norm",
+        "pre_feedforward_layernorm": "ffn_norm",
+        "post_feedforward_layernorm": "post_ffw_norm",
+    },
+}
+_DEFAULT_NORMS = {"post_attention_layernorm": "ffn_norm"}
+
+
+def _permute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's Q/K permutation for llama: within each head, the rows of the first and second half are
+    interleaved, so that rotating adjacent pairs equals Hugging Face's rotate_half."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def llama3_rope_factors(config) -> np.ndarray:
+    """The per-frequency divisors llama.cpp stores as rope_freqs.weight for Llama 3's rope scaling."""
+    rope = config.rope_parameters
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    inv_freq = 1.0 / rope["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    old_len = rope["original_max_position_embeddings"]
+    low_wavelen = old_len / rope["low_freq_factor"]
+    high_wavelen = old_len / rope["high_freq_factor"]
+    factors = []
+    for wavelen in 2 * math.pi / inv_freq:
+        if wavelen < high_wavelen:
+            factors.append(1.0)
+        elif wavelen > low_wavelen:
+            factors.append(rope["factor"])
+        else:
+            smooth = (old_len / wavelen - rope["low_freq_factor"]) / (rope["high_freq_factor"] - rope["low_freq_factor"])
+            factors.append(1.0 / ((1 - smooth) / rope["factor"] + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+def _copy_tokenizer(writer: GGUFWriter, source: Path) -> None:
+    reader = GGUFReader(source)
+    for name, field in reader.fields.items():
+        if not name.startswith("tokenizer."):
+            continue
+        kind = field.types[0]
+        if kind == GGUFValueType.ARRAY:
+            writer.add_key_value(name, field.contents(), kind, sub_type=field.types[-1])
+        else:
+            writer.add_key_value(name, field.contents(), kind)
+
+
+def _metadata(writer: GGUFWriter, arch: str, config, context_length: int) -> None:
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    u32 = GGUFValueType.UINT32
+    f32 = GGUFValueType.FLOAT32
+    values = {
+        "context_length": (context_length, u32),
+        "block_count": (config.num_hidden_layers, u32),
+        "embedding_length": (config.hidden_size, u32),
+        "feed_forward_length": (config.intermediate_size, u32),
+        "attention.head_count": (config.num_attention_heads, u32),
+        "attention.head_count_kv": (config.num_key_value_heads, u32),
+        "attention.key_length": (head_dim, u32),
+        "attention.value_length": (head_dim, u32),
+        "attention.layer_norm_rms_epsilon": (config.rms_norm_eps, f32),
+        "rope.dimension_count": (head_dim, u32),
+    }
+    rope = config.rope_parameters
+    if arch == "gemma3":
+        values["rope.freq_base"] = (rope["full_attention"]["rope_theta"], f32)
+        values["attention.sliding_window"] = (config.sliding_window, u32)
+    else:
+        values["rope.freq_base"] = (rope["rope_theta"], f32)
+    if arch == "qwen3moe":
+        values["expert_count"] = (config.num_experts, u32)
+        values["expert_used_count"] = (config.num_experts_per_tok, u32)
+        values["expert_feed_forward_length"] = (config.moe_intermediate_size, u32)
+    for key, (value, kind) in values.items():
+        writer.add_key_value(f"{arch}.{key}", value, kind)
+
+
+def _tensors(arch: str, config, state: dict[str, np.ndarray]):
+    """(gguf name, float32 array) pairs in llama.cpp's layout."""
+    norms = _NORMS.get(arch, _DEFAULT_NORMS)
+    layer = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+    for name, w in state.items():
+        if name == "model.embed_tokens.weight":
+            yield "token_embd.weight", w
+        elif name == "model.norm.weight":
+            yield "output_norm.weight", w + 1 if arch == "gemma3" else w
+        elif name == "lm_head.weight":
+            if not getattr(config, "tie_word_embeddings", False):
+                yield "output.weight", w
+        elif name.endswith("mlp.experts.gate_up_proj"):
+            i = name.split(".")[2]
+            gate, up = np.split(w, 2, axis=1)  # transformers stacks gate then up along the rows
+            yield f"blk.{i}.ffn_gate_exps.weight", gate
+            yield f"blk.{i}.ffn_up_exps.weight", up
+        elif name.endswith("mlp.experts.down_proj"):
+            yield f"blk.{name.split('.')[2]}.ffn_down_exps.weight", w
+        else:
+            match = layer.match(name)
+            if match is None:
+                raise ValueError(f"no GGUF name for {name}")
+            i, part, kind = match.groups()
+            base = _LAYER_NAMES.get(part) or norms.get(part)
+            if base is None:
+                raise ValueError(f"no GGUF name for {name}")
+            if arch == "llama" and base in ("attn_q", "attn_k"):
+                heads = config.num_attention_heads if base == "attn_q" else config.num_key_value_heads
+                w = _permute_rows(w, heads)
+            if arch == "gemma3" and base.endswith("norm"):
+                w = w + 1  # Gemma scales by (1 + weight); llama.cpp stores the sum
+            yield f"blk.{i}.{base}.{kind}", w
+
+
+def write_gguf(model, arch: str, path: Path, tokenizer_source: Path, context_length: int = 256, f16: bool = False) -> Path:
+    """Write `model` (a transformers causal LM) as a GGUF of architecture `arch` at `path`; with f16 the
+    matrices are stored as F16 (norms, biases and the router stay F32, as llama.cpp keeps them)."""
+    config = model.config
+    state = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    writer = GGUFWriter(str(path), arch)
+    writer.add_name(f"tiny-{arch}")
+    _metadata(writer, arch, config, context_length)
+    _copy_tokenizer(writer, tokenizer_source)
+    for name, w in _tensors(arch, config, state):
+        w = np.ascontiguousarray(w, dtype=np.float32)
+        if f16 and w.ndim >= 2 and "ffn_gate_inp" not in name:
+            writer.add_tensor(name, w.astype(np.float16), raw_dtype=GGMLQuantizationType.F16)
+        else:
+            writer.add_tensor(name, w)
+    rope = config.rope_parameters
+    if arch == "llama" and rope.get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", llama3_rope_factors(config))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
