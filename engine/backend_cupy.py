@@ -1,0 +1,330 @@
+"""The GPU backend: weights stay quantized in device memory as the GGUF stores them, every op is one of our
+CUDA kernels (engine/kernels/*.cu, launched through engine/kernels/cuda.py), and a decode step is captured once
+as a CUDA graph and replayed (`compile_step`).
+
+Decode (one token) multiplies with int8 dot products on the quantized blocks; prompt chunks dequantize each
+weight to an fp16 scratch and multiply on tensor cores through cuBLAS. Everything runs on one non-blocking
+stream of the backend's own, whichever thread calls it. engine/model.py imports this module only when it
+looks for a GPU, so CPU machines never need CuPy.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import cupy
+import numpy as np
+
+from engine import quants
+from engine.backend import ROPE_NEOX, ROPE_NORMAL, SamplingParams
+from engine.errors import EngineError
+from engine.gguf_file import GGUFTensor
+from engine.kernels import cuda as K
+from engine.kernels.gpu_layout import supported
+
+MIN_COMPUTE_CAPABILITY = (7, 5)
+DEQUANT_SCRATCH_ELEMENTS = 64 * 2**20  # fp16 scratch for one weight (or a row slice of a larger one): 128 MB
+TOPK_MAX = 1024  # top-k above this (or top_k = 0) sorts the whole vocabulary instead
+ACTIVATIONS = {"silu": K.ACT_SILU, "gelu_tanh": K.ACT_GELU_TANH}
+
+
+def unavailable_reason() -> str | None:
+    """None when CuPy can run our kernels here; otherwise why not, as a sentence fragment."""
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except cupy.cuda.runtime.CUDARuntimeError as exc:
+        return f"the NVIDIA driver could not be reached ({exc})"
+    if count == 0:
+        return "no NVIDIA GPU was found"
+    props = cupy.cuda.runtime.getDeviceProperties(0)
+    capability = (int(props["major"]), int(props["minor"]))
+    if capability < MIN_COMPUTE_CAPABILITY:
+        name = props["name"].decode(errors="replace")
+        return (
+            f"the GPU {name} has compute capability {capability[0]}.{capability[1]}, older than the "
+            f"{MIN_COMPUTE_CAPABILITY[0]}.{MIN_COMPUTE_CAPABILITY[1]} this engine's kernels need"
+        )
+    return None
+
+
+@dataclass
+class CupyRope:
+    cos: Any  # (max_positions, rot_dim / 2) float32
+    sin: Any
+
+    @property
+    def rot_dim(self) -> int:
+        return 2 * self.cos.shape[1]
+
+    @property
+    def max_positions(self) -> int:
+        return self.cos.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.cos.nbytes + self.sin.nbytes)
+
+
+@dataclass
+class CupyKVCache:
+    k: Any  # (n_layers, n_kv_heads, max_tokens, head_dim) float16
+    v: Any
+
+    n_layers = property(lambda self: self.k.shape[0])
+    n_kv_heads = property(lambda self: self.k.shape[1])
+    max_tokens = property(lambda self: self.k.shape[2])
+    head_dim = property(lambda self: self.k.shape[3])
+    dtype = property(lambda self: np.dtype(np.float16))
+    nbytes = property(lambda self: int(self.k.nbytes + self.v.nbytes))
+
+
+def _on_stream(method: Callable) -> Callable:
+    """Run a backend method with the backend's stream as CuPy's current stream (in any calling thread)."""
+
+    @functools.wraps(method)
+    def wrapper(self: CupyBackend, *args, **kwargs):
+        with self.stream:
+            return method(self, *args, **kwargs)
+
+    return wrapper
+
+
+class CupyBackend:
+    """Implements engine.backend.Backend on an NVIDIA GPU."""
+
+    name = "cupy"
+
+    def __init__(self) -> None:
+        self.stream = cupy.cuda.Stream(non_blocking=True)
+        self._held: list[Any] = []
+        self._max_k = 32
+        # Decode-only buffers (reused by every replay of the captured graph, so never reallocated after it).
+        self._xq: Any = None
+        self._xds: Any = None
+        self._q8_of: tuple[int, int] | None = None  # (pointer, size) of the vector xq currently holds
+        self._decode_part: Any = None
+        # Prompt-path and sampling scratch, grown as needed outside graphs.
+        self._scratch: dict[str, Any] = {}
+        self._graphs: list[Any] = []
+        self._closed = False
+
+    # ---- memory ----
+
+    def _hold(self, obj: Any) -> Any:
+        self._held.append(obj)
+        return obj
+
+    def _buffer(self, key: str, size: int, dtype: Any) -> Any:
+        buf = self._scratch.get(key)
+        if buf is None or buf.size < size:
+            buf = self._scratch[key] = cupy.empty(size, dtype)
+        return buf[:size]
+
+    @_on_stream
+    def empty(self, shape: tuple[int, ...], dtype: Any = np.float32) -> Any:
+        return self._hold(cupy.empty(shape, dtype))
+
+    @_on_stream
+    def copy_into(self, dst: Any, src: np.ndarray) -> None:
+        self._q8_of = None
+        dst.set(np.ascontiguousarray(src, dtype=dst.dtype), stream=self.stream)
+
+    @_on_stream
+    def to_host(self, x: Any) -> np.ndarray:
+        host = cupy.asnumpy(x, stream=self.stream)
+        self.stream.synchronize()
+        return host
+
+    @_on_stream
+    def upload(self, tensor: GGUFTensor) -> K.GpuWeight:
+        shape = tuple(int(s) for s in tensor.shape)
+        if len(shape) == 1:
+            values = quants.dequantize(tensor.raw, tensor.qtype, shape).astype(np.float32)
+            return self._hold(K.GpuWeight(tensor.name, shape, quants.T.F32, cupy.asarray(values), ()))
+        if not supported(tensor.qtype) or len(shape) != 2:
+            raise EngineError(
+                f"Tensor {tensor.name} is stored as {tensor.qtype.name} with shape {shape}, which the GPU backend "
+                "cannot use (it takes F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K matrices). "
+                "Pick a GGUF quantized with one of these types, or run on the CPU with device='cpu'."
+            )
+        if shape[1] % 32:
+            raise EngineError(
+                f"Tensor {tensor.name} has rows of {shape[1]} values; the GPU backend needs a multiple of 32. "
+                "Run this model on the CPU with device='cpu'."
+            )
+        self._max_k = max(self._max_k, shape[1])
+        return self._hold(K.upload_weight(tensor.name, tensor.qtype, shape, tensor.raw))
+
+    @_on_stream
+    def rope_table(self, inv_freq: np.ndarray, max_positions: int, attn_factor: float = 1.0) -> CupyRope:
+        angles = np.outer(np.arange(max_positions, dtype=np.float64), inv_freq.astype(np.float64))
+        cos = cupy.asarray((np.cos(angles) * attn_factor).astype(np.float32))
+        sin = cupy.asarray((np.sin(angles) * attn_factor).astype(np.float32))
+        return self._hold(CupyRope(cos, sin))
+
+    @_on_stream
+    def kv_cache(self, n_layers: int, n_kv_heads: int, head_dim: int, max_tokens: int) -> CupyKVCache:
+        if head_dim % 8 or head_dim > 256:
+            raise EngineError(f"Heads of {head_dim} dims are not supported on the GPU (a multiple of 8, at most 256).")
+        shape = (n_layers, n_kv_heads, max_tokens, head_dim)
+        return self._hold(CupyKVCache(cupy.zeros(shape, cupy.float16), cupy.zeros(shape, cupy.float16)))
+
+    def memory_in_use(self) -> dict[str, int]:
+        """Bytes in CuPy's pool for this process, and the GPU's free/total memory as the driver reports it."""
+        free, total = cupy.cuda.runtime.memGetInfo()
+        return {
+            "host_bytes": 0,
+            "device_bytes": int(cupy.get_default_memory_pool().used_bytes()),
+            "gpu_free_bytes": int(free),
+            "gpu_total_bytes": int(total),
+        }
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+
+    def compile_step(self, step: Callable[[], None]) -> Callable[[], None]:
+        """The first call runs `step` directly (compiling kernels and sizing scratch), then captures it as a CUDA
+        graph; later calls replay the graph: one launch per decode step, no host synchronization in it."""
+        graph: list[Any] = []
+
+        def run() -> None:
+            if graph:
+                graph[0].launch(self.stream)
+                return
+            with self.stream:
+                step()
+                self.stream.begin_capture()
+                try:
+                    step()
+                finally:
+                    captured = self.stream.end_capture()
+            graph.append(captured)
+            self._graphs.append(captured)
+
+        return run
+
+    def close(self) -> None:
+        """Drop every array and graph and hand CuPy's cached blocks back to the driver."""
+        if self._closed:
+            return
+        self._closed = True
+        self.stream.synchronize()
+        self._held.clear()
+        self._scratch.clear()
+        self._graphs.clear()
+        self._xq = self._xds = self._decode_part = None
+        cupy.get_default_memory_pool().free_all_blocks()
+        cupy.get_default_pinned_memory_pool().free_all_blocks()
+
+    # ---- ops ----
+
+    @_on_stream
+    def embed(self, table: K.GpuWeight, tokens: Any, out: Any, scale: float = 1.0) -> None:
+        self._q8_of = None
+        K.dequant(table, out, rows=tokens, scale=scale)
+
+    @_on_stream
+    def rms_norm(self, x: Any, weight: K.GpuWeight, eps: float, out: Any) -> None:
+        self._q8_of = None
+        K.rms_norm(x, weight.data, eps, out)
+
+    @_on_stream
+    def add_rms_norm(self, x: Any, residual: Any, weight: K.GpuWeight, eps: float, out: Any) -> None:
+        self._q8_of = None
+        K.add_rms_norm(x, residual, weight.data, eps, out)
+
+    def _quantized_input(self, x: Any) -> tuple[Any, Any]:
+        """int8 blocks of the one-row x, computed once for the several products that read it (QKV, gate/up)."""
+        if self._xq is None:
+            self._xq = cupy.empty(self._max_k, cupy.int8)
+            self._xds = cupy.empty((self._max_k // 32, 2), cupy.float32)
+        key = (x.data.ptr, x.size)
+        if self._q8_of != key:
+            K.quantize_q8(x, self._xq, self._xds)
+            self._q8_of = key
+        return self._xq, self._xds
+
+    @_on_stream
+    def linear(self, x: Any, weight: K.GpuWeight, out: Any, bias: K.GpuWeight | None = None) -> None:
+        if x.shape[0] == 1:
+            xq, xds = self._quantized_input(x) if weight.quantized else (None, None)
+            K.matvec(weight, x, xq, xds, out)
+        else:
+            self._prompt_linear(x, weight, out)
+        if bias is not None:
+            out += bias.data
+
+    def _prompt_linear(self, x: Any, weight: K.GpuWeight, out: Any) -> None:
+        n, k = x.shape
+        m = weight.shape[0]
+        xh = self._buffer("x_f16", n * k, cupy.float16).reshape(n, k)
+        K.to_f16(x, xh)
+        rows = max(1, min(m, DEQUANT_SCRATCH_ELEMENTS // k))
+        wh = self._buffer("w_f16", rows * k, cupy.float16)
+        for lo in range(0, m, rows):
+            hi = min(m, lo + rows)
+            part = wh[: (hi - lo) * k].reshape(hi - lo, k)
+            K.dequant(weight, part, row_lo=lo)
+            K.gemm_f16(xh, part, out[:, lo:hi])
+
+    @_on_stream
+    def gated_ffn(self, x: Any, gate: K.GpuWeight, up: K.GpuWeight, out: Any, scratch: Any, activation: str = "silu") -> None:
+        act = ACTIVATIONS.get(activation)
+        if act is None:
+            raise EngineError(f"The activation {activation!r} is not supported on the GPU (silu, gelu_tanh).")
+        if x.shape[0] == 1 and gate.qtype == up.qtype:
+            xq, xds = self._quantized_input(x) if gate.quantized else (None, None)
+            K.matvec_glu(gate, up, x, xq, xds, out, act)
+            return
+        self.linear(x, gate, out)
+        self.linear(x, up, scratch)
+        K.glu(out, scratch, out, act)
+
+    @_on_stream
+    def rope_store_kv(self, q, k, v, rope: CupyRope, style: str, cache: CupyKVCache, layer: int, start) -> None:
+        if style not in (ROPE_NORMAL, ROPE_NEOX):
+            raise EngineError(f"Unknown rotary style {style!r}.")
+        self._q8_of = None
+        K.rope_store_kv(q, k, v, rope.cos, rope.sin, style == ROPE_NEOX, cache.k[layer], cache.v[layer], start)
+
+    @_on_stream
+    def attention(self, q, cache: CupyKVCache, layer: int, start, out, scale: float, window: int = 0) -> None:
+        self._q8_of = None
+        n, n_heads, hd = q.shape
+        z, wpq = K.attention_splits(n)
+        size = n * n_heads * z * wpq * (hd + 2)
+        if n == 1:
+            if self._decode_part is None or self._decode_part.size < size:
+                self._decode_part = cupy.empty(size, cupy.float32)
+            part = self._decode_part
+        else:
+            part = self._buffer("attn_part", size, cupy.float32)
+        K.attention(q, cache.k[layer], cache.v[layer], start, out, scale, window, part)
+
+    @_on_stream
+    def sample(self, logits: Any, params: SamplingParams, recent_tokens: np.ndarray, uniform: float) -> int:
+        vocab = logits.size
+        work = self._buffer("sample_logits", vocab, cupy.float32)
+        if params.repeat_penalty != 1.0 and len(recent_tokens):
+            ids = np.unique(np.asarray(recent_tokens, np.int32))
+            dev_ids = self._buffer("sample_recent", ids.size, cupy.int32)
+            dev_ids.set(ids, stream=self.stream)
+            K.repeat_penalty(logits, work, dev_ids, ids.size, params.repeat_penalty)
+        else:
+            cupy.copyto(work, logits)
+        chosen = self._buffer("sample_id", 1, cupy.int32)
+        if params.temperature <= 0:
+            K.argmax(work, chosen)
+        else:
+            k = params.top_k if 0 < params.top_k < vocab else vocab
+            if k <= TOPK_MAX:
+                vals = self._buffer("sample_vals", k, cupy.float32)
+                ids = self._buffer("sample_ids", k, cupy.int32)
+                K.topk(work, k, vals, ids)
+            else:
+                order = cupy.argsort(-work)[:k]
+                vals, ids = work[order], order.astype(cupy.int32)
+            K.sample_sorted(vals, ids, k, params.temperature, params.top_p, params.min_p, uniform, chosen)
+        return int(self.to_host(chosen)[0])
