@@ -28,6 +28,7 @@ class GenerationSettings:
     repeat_penalty: float = 1.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False  # keep going past end-of-turn tokens (for benchmarks of a fixed length)
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(self.temperature, self.top_k, self.top_p, self.min_p, self.repeat_penalty)
@@ -171,7 +172,7 @@ def generate(
     completion, steps, finish = 0, 0, "length"
     decode_started = time.perf_counter()
     while True:
-        if token in stop_ids:
+        if token in stop_ids and not settings.ignore_eos:
             finish = "stop"
             break
         completion += 1
