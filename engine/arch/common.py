@@ -62,10 +62,13 @@ def concat_rows(name: str, tensors: list[GGUFTensor]) -> GGUFTensor | None:
     return GGUFTensor(name, first.qtype, (sum(t.shape[0] for t in tensors), first.shape[1]), raw)
 
 
-def rope_inv_freq(gguf: GGUFFile, rot_dim: int, base: float) -> np.ndarray:
+def rope_inv_freq(gguf: GGUFFile, rot_dim: int, base: float, scaled: bool = True) -> np.ndarray:
     """inv_freq[i] = base^(-2i/rot_dim), divided by the file's `rope_freqs.weight` factors (Llama 3.1 style)
-    and by a linear rope scaling factor when the file declares one."""
+    and by a linear rope scaling factor when the file declares one; with scaled=False neither (Gemma 3's
+    sliding-window layers rotate unscaled)."""
     inv_freq = 1.0 / base ** (np.arange(0, rot_dim, 2, dtype=np.float64) / rot_dim)
+    if not scaled:
+        return inv_freq.astype(np.float32)
     factors = gguf.tensors.get("rope_freqs.weight")
     if factors is not None:
         inv_freq = inv_freq / quants.dequantize(factors.raw, factors.qtype, factors.shape).astype(np.float64)

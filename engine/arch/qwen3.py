@@ -197,8 +197,20 @@ def new_workspace(config: QwenConfig, backend: Backend, max_chunk: int, ffn_widt
     )
 
 
-def attention_block(config: QwenConfig, weights: QwenWeights, a: AttentionWeights, ws: Workspace, backend: Backend, cache: KVCache, i: int, n: int) -> None:
-    """From the normed input ws.h to the attention block's output in ws.delta."""
+def attention_block(
+    config: QwenConfig,
+    rope: RopeTable,
+    a: AttentionWeights,
+    ws: Workspace,
+    backend: Backend,
+    cache: KVCache,
+    i: int,
+    n: int,
+    scale: float,
+    window: int = 0,
+) -> None:
+    """From the normed input ws.h to the attention block's output in ws.delta (Gemma 3 shares this with its
+    own rotary table, scale and sliding window per layer)."""
     c = config
     h, qkv = ws.h[:n], ws.qkv[:n]
     if len(a.qkv) == 1:
@@ -213,8 +225,8 @@ def attention_block(config: QwenConfig, weights: QwenWeights, a: AttentionWeight
     if c.qk_norm:
         backend.rms_norm(q, a.q_norm, c.rms_eps, q)
         backend.rms_norm(k, a.k_norm, c.rms_eps, k)
-    backend.rope_store_kv(q, k, v, weights.rope, ROPE_NEOX, cache, i, ws.start)
-    backend.attention(q, cache, i, ws.start, ws.attn[:n], 1.0 / float(np.sqrt(c.head_dim)))
+    backend.rope_store_kv(q, k, v, rope, ROPE_NEOX, cache, i, ws.start)
+    backend.attention(q, cache, i, ws.start, ws.attn[:n], scale, window)
     backend.linear(ws.attn[:n], a.attn_out, ws.delta[:n])
 
 
@@ -233,7 +245,7 @@ def run_layers(config, weights: QwenWeights, ws: Workspace, backend: Backend, ca
             backend.rms_norm(x, layer.attn.attn_norm, c.rms_eps, h)
         else:
             backend.add_rms_norm(delta, x, layer.attn.attn_norm, c.rms_eps, h)
-        attention_block(c, weights, layer.attn, ws, backend, cache, i, n)
+        attention_block(c, weights.rope, layer.attn, ws, backend, cache, i, n, 1.0 / float(np.sqrt(c.head_dim)))
         backend.add_rms_norm(delta, x, layer.attn.ffn_norm, c.rms_eps, h)
         ffn_block(c, layer, ws, backend, n)
     backend.add_rms_norm(delta, x, weights.output_norm, c.rms_eps, h)
