@@ -85,3 +85,21 @@ def test_expert_bytes_default_to_the_experts_share_of_the_file():
     entry.update(n_experts=8, n_experts_used=2, expert_params_b=entry["params_b"] / 2, expert_bytes=None)
     model = CatalogModel.model_validate(entry)
     assert model.expert_bytes == model.file_bytes // 2
+
+
+@pytest.mark.parametrize("model", CATALOG, ids=lambda m: m.id)
+def test_every_number_says_where_it_comes_from(model: CatalogModel):
+    assert "Reference" in model.sources or "read from the GGUF" in model.sources
+    if not model.tensor_types_from_file:
+        assert "not read from the file" in model.sources or "unverified" in model.sources
+    if any(not f.size_exact for f in model.files):
+        assert "size_exact is false" in model.sources
+    if model.is_moe:
+        assert "expert" in model.sources
+
+
+def test_hybrid_models_keep_kv_on_their_attention_layers_only():
+    qwen38 = get_model("qwen3.8-27b")
+    assert (qwen38.kv_layers, qwen38.n_layers) == (16, 64) and qwen38.recurrent_state_bytes > 0
+    qwen36 = get_model("qwen3.6-35b-a3b")
+    assert (qwen36.kv_layers, qwen36.n_layers, qwen36.n_experts) == (10, 40, 256)

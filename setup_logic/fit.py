@@ -1,0 +1,477 @@
+"""How much memory a model needs in our engine, where it fits on this PC, and which model to pick.
+
+The estimate describes what the engine allocates, not a generic rule of thumb:
+- GPU path: the GGUF's quantized bytes are uploaded as they are; KV cache in float16.
+- CPU path (NumPy): every weight is dequantized to float32 at load (4 bytes per weight), KV cache in float32.
+- Loading reads the file through a memory map once; those pages show in the process's memory but the OS can
+  drop them, so they are reported and not required.
+- A mixture of experts can keep its dense part and some experts on the GPU and the other experts in RAM,
+  where the CPU computes them ("gpu+ram"), when the engine says it can.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from setup_logic.catalog import CatalogModel
+from setup_logic.hardware import PcReport, best_gpu, gb
+
+Level = Literal["gpu", "gpu+ram", "cpu"]
+Goal = Literal["code", "chat", "speed", "quality"]
+
+DEFAULT_CONTEXT = 8192
+MIN_CONTEXT = 2048
+MIB = 1 << 20
+# The estimate is meant to be within ~15% of measured growth; keep 5% of the budget free on top of it so a
+# model at the edge does not push the OS into swapping or the GPU out of memory.
+_FIT_FRACTION = 0.95
+# What loading a model adds in RAM besides weights: opening the GGUF with the gguf package and building the
+# tokenizer grew the process by 199 MB for SmolLM2's 49,152 tokens and by 720 MB for Gemma 3's 262,144 (the
+# reader keeps a Python object per vocabulary entry), i.e. about 3 KiB per token, plus the model's objects.
+_RAM_BASE_BYTES = 64 * MIB
+_RAM_PER_VOCAB_TOKEN = 3 * 1024
+# CUDA context, cuBLAS workspace and loaded kernels on the GPU, and the driver's host side in RAM. Typical
+# figures for CUDA 12 on consumer cards; not yet measured against our engine.
+_CUDA_CONTEXT_BYTES = 450 * MIB
+_CUDA_HOST_BYTES = 300 * MIB
+# Tiny demo models answer fast but poorly; "speed" picks them only when nothing better fits.
+_MIN_USEFUL_QUALITY = 3.0
+
+
+class Preferences(BaseModel):
+    goal: Goal = Field(default="chat", description="what matters most: code, chat, speed or quality")
+    context_length: int | None = Field(default=None, ge=1, description="tokens of context wanted; None picks one")
+    ram_bytes_override: int | None = Field(default=None, ge=0, description="RAM the model may use, instead of what is available now")
+    vram_bytes_override: int | None = Field(default=None, ge=0, description="VRAM the model may use, instead of what is free now")
+
+
+class EngineProfile(BaseModel):
+    """What the engine can run and how it stores things; the MCP layer builds it from what the engine reports."""
+
+    supported_architectures: set[str]
+    supported_tensor_types: set[str]
+    cpu_weights_dequantized_to_f32: bool = Field(
+        default=True, description="the NumPy CPU path keeps float32 weights (4 bytes each); else the GGUF's bytes"
+    )
+    kv_bytes_per_element_gpu: int = 2
+    kv_bytes_per_element_cpu: int = 4
+    prefill_chunk: int = Field(default=512, gt=0, description="tokens per prompt chunk, which sizes the workspace")
+    experts_in_ram: bool = Field(
+        default=False, description="the engine can keep some MoE experts in RAM and compute them on the CPU"
+    )
+
+
+class MemoryEstimate(BaseModel):
+    level: Level
+    context_length: int
+    experts_on_gpu: int | None = Field(description="experts per layer kept on the GPU (MoE), out of n_experts")
+    gpu_weights_bytes: int
+    ram_weights_bytes: int
+    kv_cache_bytes: int
+    recurrent_state_bytes: int
+    workspace_bytes: int = Field(description="activations for one prompt chunk, attention scores, rotary tables")
+    gpu_overhead_bytes: int = Field(description="CUDA context and libraries")
+    ram_overhead_bytes: int = Field(description="GGUF metadata, tokenizer, and the CUDA driver's host side")
+    reclaimable_file_bytes: int = Field(description="file pages read once while loading; counted, not required")
+    vram_bytes: int = Field(description="total on the GPU")
+    ram_bytes: int = Field(description="total the process grows by in RAM, reclaimable file pages included")
+    ram_required_bytes: int = Field(description="RAM that must be available: ram_bytes without reclaimable pages")
+    ram_after_load_bytes: int = Field(
+        description="what the process has grown by right after loading: on the CPU path the KV cache and workspace "
+        "are zero-filled lazily by the OS, so they join as the context fills up to ram_bytes"
+    )
+    explanation: str
+
+
+class FitResult(BaseModel):
+    model_id: str
+    level: Literal["gpu", "gpu+ram", "cpu", "none"]
+    context_length: int | None
+    largest_context_that_fits: int | None = Field(description="at this level; None when it does not fit")
+    memory: MemoryEstimate | None
+    reason: str
+
+
+class ModelChoice(BaseModel):
+    model_id: str
+    name: str
+    quant: str
+    why: str
+    level: Level
+    context_length: int
+    largest_context_that_fits: int
+    memory: MemoryEstimate
+    download_bytes: int
+    bytes_read_per_token: int = Field(description="weights read per generated token, the speed proxy")
+    quality: float
+    good_for: list[str]
+    installed: bool
+
+
+class RejectedModel(BaseModel):
+    id: str
+    name: str
+    reason: str
+
+
+class Recommendation(BaseModel):
+    summary: str
+    goal: Goal
+    vram_budget_bytes: int = Field(description="VRAM a model may use: free VRAM of the best GPU, or the override")
+    ram_budget_bytes: int = Field(description="RAM a model may use: available RAM, or the override")
+    choice: ModelChoice | None
+    alternatives: list[ModelChoice] = Field(description="other models that fit, best first")
+    not_fitting: list[RejectedModel]
+    not_supported: list[RejectedModel] = Field(description="models the engine cannot run yet, with what is missing")
+
+
+def kv_cache_bytes(model: CatalogModel, context_length: int, bytes_per_element: int) -> int:
+    layers = model.kv_layers or model.n_layers
+    return layers * 2 * model.n_kv_heads * model.head_dim * context_length * bytes_per_element
+
+
+def workspace_bytes(model: CatalogModel, context_length: int, chunk: int, on_gpu: bool) -> int:
+    """float32 buffers for one prompt chunk (residual, norms, QKV, attention out, FFN and its scratch, last logits),
+    the rotary cos/sin tables, and attention's working space: the NumPy reference holds one layer's scores for the
+    chunk against the whole context, the GPU kernel only per-head partial sums (chunk x heads x (head_dim + 2))."""
+    q_dim = model.n_heads * model.head_dim
+    kv_dim = model.n_kv_heads * model.head_dim
+    ffn = model.n_ff * (model.n_experts_used or 1)
+    per_token = 3 * model.n_embd + 2 * q_dim + 2 * kv_dim + 2 * ffn
+    if on_gpu:
+        attention = chunk * model.n_heads * (model.head_dim + 2)
+    else:
+        attention = chunk * model.n_heads * context_length
+    rope = context_length * model.head_dim
+    return 4 * (chunk * per_token + model.vocab_size + attention + rope)
+
+
+def estimate_memory(
+    model: CatalogModel,
+    context_length: int,
+    level: Level,
+    engine: EngineProfile,
+    experts_on_gpu: int | None = None,
+) -> MemoryEstimate:
+    """Bytes on the GPU and in RAM for running `model` with `context_length` tokens at `level`.
+
+    For "gpu+ram", experts_on_gpu is how many experts of each layer stay on the GPU (0 to n_experts - 1)."""
+    if context_length < 1:
+        raise ValueError("context_length must be at least 1")
+    file_bytes = model.file_bytes
+    chunk = min(engine.prefill_chunk, context_length)
+    workspace = workspace_bytes(model, context_length, chunk, on_gpu=level != "cpu")
+    ram_overhead = _RAM_BASE_BYTES + model.vocab_size * _RAM_PER_VOCAB_TOKEN
+    f32 = engine.cpu_weights_dequantized_to_f32
+    if level == "cpu":
+        ram_weights = round(model.params_b * 1e9 * 4) if f32 else file_bytes
+        gpu_weights = gpu_overhead = 0
+        kv = kv_cache_bytes(model, context_length, engine.kv_bytes_per_element_cpu)
+        reclaimable = file_bytes if f32 else 0
+    else:
+        gpu_overhead = _CUDA_CONTEXT_BYTES
+        ram_overhead += _CUDA_HOST_BYTES
+        kv = kv_cache_bytes(model, context_length, engine.kv_bytes_per_element_gpu)
+        if level == "gpu":
+            experts_on_gpu = model.n_experts
+            gpu_weights, ram_weights = file_bytes, 0
+        else:
+            if not model.is_moe:
+                raise ValueError(f"{model.id} is not a mixture of experts, so it cannot split experts into RAM")
+            if experts_on_gpu is None or not 0 <= experts_on_gpu < model.n_experts:
+                raise ValueError(f"experts_on_gpu must be between 0 and {model.n_experts - 1}")
+            in_ram = model.n_experts - experts_on_gpu
+            ram_expert_file_bytes = model.expert_bytes * in_ram // model.n_experts
+            gpu_weights = file_bytes - ram_expert_file_bytes
+            if f32:
+                ram_weights = round(model.expert_params_b * 1e9 * 4 * in_ram / model.n_experts)
+            else:
+                ram_weights = ram_expert_file_bytes
+        # Every page is read once to upload it; pages the CPU keeps computing from are the RAM weights.
+        reclaimable = file_bytes if f32 or level == "gpu" else file_bytes - ram_weights
+    state = model.recurrent_state_bytes
+    on_gpu = level != "cpu"
+    vram = gpu_weights + gpu_overhead + ((kv + state + workspace) if on_gpu else 0)
+    ram_required = ram_weights + ram_overhead + (0 if on_gpu else kv + state + workspace)
+    estimate = MemoryEstimate(
+        level=level,
+        context_length=context_length,
+        experts_on_gpu=experts_on_gpu if model.is_moe else None,
+        gpu_weights_bytes=gpu_weights,
+        ram_weights_bytes=ram_weights,
+        kv_cache_bytes=kv,
+        recurrent_state_bytes=state,
+        workspace_bytes=workspace,
+        gpu_overhead_bytes=gpu_overhead,
+        ram_overhead_bytes=ram_overhead,
+        reclaimable_file_bytes=reclaimable,
+        vram_bytes=vram,
+        ram_bytes=ram_required + reclaimable,
+        ram_required_bytes=ram_required,
+        ram_after_load_bytes=ram_required + reclaimable - (0 if on_gpu else kv + workspace),
+        explanation="",
+    )
+    estimate.explanation = _explain(estimate, f32)
+    return estimate
+
+
+def _explain(e: MemoryEstimate, f32: bool) -> str:
+    kv = f"KV cache {gb(e.kv_cache_bytes)} ({e.context_length} tokens)"
+    state = f" + recurrent state {gb(e.recurrent_state_bytes)}" if e.recurrent_state_bytes else ""
+    reclaim = f"; plus {gb(e.reclaimable_file_bytes)} of file pages read once while loading, which the OS can drop"
+    if e.level == "cpu":
+        kind = "float32 weights" if f32 else "weights"
+        return (
+            f"RAM: {kind} {gb(e.ram_weights_bytes)} + {kv}{state} + workspace {gb(e.workspace_bytes)} + tokenizer "
+            f"and metadata {gb(e.ram_overhead_bytes)} = {gb(e.ram_required_bytes)}"
+            + (reclaim if e.reclaimable_file_bytes else "")
+            + "."
+        )
+    experts = ""
+    if e.level == "gpu+ram":
+        experts = f" ({e.experts_on_gpu} experts per layer)"
+    ram_part = f"RAM: {gb(e.ram_required_bytes)}"
+    if e.ram_weights_bytes:
+        ram_part += f", of which {gb(e.ram_weights_bytes)} are the experts the CPU computes"
+    return (
+        f"GPU: weights {gb(e.gpu_weights_bytes)}{experts} + {kv}{state} + workspace {gb(e.workspace_bytes)} + CUDA "
+        f"{gb(e.gpu_overhead_bytes)} = {gb(e.vram_bytes)}. {ram_part}{reclaim}."
+    )
+
+
+@dataclass(frozen=True)
+class _Budget:
+    vram: int
+    ram: int
+    gpu_name: str
+    avx2: bool | None
+
+
+def _budget(report: PcReport, prefs: Preferences) -> _Budget:
+    gpu = best_gpu(report.gpus)
+    vram = prefs.vram_bytes_override if prefs.vram_bytes_override is not None else (gpu.vram_free_bytes if gpu else 0)
+    ram = prefs.ram_bytes_override if prefs.ram_bytes_override is not None else report.ram_available_bytes
+    name = gpu.name if gpu else "the GPU given by the VRAM override"
+    return _Budget(vram=vram, ram=ram, gpu_name=name, avx2=report.cpu.avx2)
+
+
+def _fits(e: MemoryEstimate, budget: _Budget) -> bool:
+    return e.vram_bytes <= budget.vram * _FIT_FRACTION and e.ram_required_bytes <= budget.ram * _FIT_FRACTION
+
+
+def _experts_on_gpu(model: CatalogModel, context_length: int, engine: EngineProfile, budget: _Budget) -> int | None:
+    """How many experts per layer fit on the GPU beside the dense part (VRAM grows linearly with them)."""
+    base = estimate_memory(model, context_length, "gpu+ram", engine, experts_on_gpu=0).vram_bytes
+    per_expert = model.expert_bytes / model.n_experts
+    count = int((budget.vram * _FIT_FRACTION - base) // per_expert)
+    return None if count < 0 else min(count, model.n_experts - 1)
+
+
+def _place(model: CatalogModel, context_length: int, level: Level, engine: EngineProfile, budget: _Budget):
+    experts = None
+    if level == "gpu+ram":
+        experts = _experts_on_gpu(model, context_length, engine, budget)
+        if experts is None:
+            return None
+    estimate = estimate_memory(model, context_length, level, engine, experts_on_gpu=experts)
+    return estimate if _fits(estimate, budget) else None
+
+
+def _largest_context(model: CatalogModel, level: Level, engine: EngineProfile, budget: _Budget) -> int | None:
+    """Binary search: memory only grows with the context, so the contexts that fit are 1..answer."""
+    if _place(model, 1, level, engine, budget) is None:
+        return None
+    low, high = 1, model.context_max
+    while low < high:
+        middle = (low + high + 1) // 2
+        if _place(model, middle, level, engine, budget) is None:
+            high = middle - 1
+        else:
+            low = middle
+    return low
+
+
+def _levels(model: CatalogModel, engine: EngineProfile, budget: _Budget) -> list[Level]:
+    levels: list[Level] = []
+    if budget.vram > 0:
+        levels.append("gpu")
+        if model.is_moe and engine.experts_in_ram:
+            levels.append("gpu+ram")
+    levels.append("cpu")
+    return levels
+
+
+def fit_model(model: CatalogModel, report: PcReport, prefs: Preferences, engine: EngineProfile) -> FitResult:
+    """The fastest level at which the model runs with enough context, the context to use, and why."""
+    return _fit(model, _budget(report, prefs), prefs, engine)
+
+
+def _fit(model: CatalogModel, budget: _Budget, prefs: Preferences, engine: EngineProfile) -> FitResult:
+    wanted = prefs.context_length
+    if wanted is not None and wanted > model.context_max:
+        return FitResult(
+            model_id=model.id, level="none", context_length=None, largest_context_that_fits=None, memory=None,
+            reason=f"It handles at most {model.context_max} tokens of context, fewer than the {wanted} asked for.",
+        )
+    target = wanted or min(DEFAULT_CONTEXT, model.context_max)
+    floor = wanted or min(MIN_CONTEXT, model.context_max)
+    for level in _levels(model, engine, budget):
+        largest = _largest_context(model, level, engine, budget)
+        if largest is not None and largest >= floor:
+            context = min(target, largest)
+            estimate = _place(model, context, level, engine, budget)
+            return FitResult(
+                model_id=model.id, level=level, context_length=context, largest_context_that_fits=largest,
+                memory=estimate, reason=_why_fits(estimate, target, budget),
+            )
+    return FitResult(
+        model_id=model.id, level="none", context_length=None, largest_context_that_fits=None, memory=None,
+        reason=_why_not(model, floor, engine, budget),
+    )
+
+
+def _why_fits(e: MemoryEstimate, target: int, budget: _Budget) -> str:
+    tokens = f"{e.context_length} tokens of context"
+    if e.level == "gpu":
+        text = f"Runs on the GPU ({budget.gpu_name}): {gb(e.vram_bytes)} of the {gb(budget.vram)} free VRAM with {tokens}"
+    elif e.level == "gpu+ram":
+        text = (
+            f"Runs on the GPU ({budget.gpu_name}) with {e.experts_on_gpu} experts per layer there and the rest in RAM: "
+            f"{gb(e.vram_bytes)} of VRAM and {gb(e.ram_required_bytes)} of RAM with {tokens}"
+        )
+    else:
+        where = " because it is too big for the GPU" if budget.vram > 0 else ""
+        text = f"Runs on the CPU{where}: {gb(e.ram_required_bytes)} of the {gb(budget.ram)} RAM available with {tokens}"
+        if budget.avx2 is False:
+            text += "; AVX2 missing: CPU inference will be slow"
+    if e.context_length < target:
+        text += f"; context reduced from {target} to fit"
+    return text + "."
+
+
+def _why_not(model: CatalogModel, context: int, engine: EngineProfile, budget: _Budget) -> str:
+    needs = []
+    if budget.vram > 0:
+        gpu = estimate_memory(model, context, "gpu", engine)
+        needs.append(f"{gb(gpu.vram_bytes)} of VRAM on the GPU ({gb(budget.vram)} free)")
+        if model.is_moe and engine.experts_in_ram:
+            split = estimate_memory(model, context, "gpu+ram", engine, experts_on_gpu=0)
+            needs.append(
+                f"{gb(split.vram_bytes)} of VRAM and {gb(split.ram_required_bytes)} of RAM with its experts in RAM"
+            )
+    cpu = estimate_memory(model, context, "cpu", engine)
+    needs.append(f"{gb(cpu.ram_required_bytes)} of RAM on the CPU ({gb(budget.ram)} available)")
+    return f"Too big for this PC even with {context} tokens of context: it needs " + ", or ".join(needs) + "."
+
+
+def _unsupported_reason(model: CatalogModel, engine: EngineProfile) -> str | None:
+    missing = []
+    if model.architecture not in engine.supported_architectures:
+        missing.append(f"the {model.architecture} architecture")
+    types = sorted(set(model.tensor_types) - engine.supported_tensor_types)
+    if types:
+        missing.append(("tensor types " if len(types) > 1 else "the tensor type ") + ", ".join(types))
+    if not missing:
+        return None
+    return f"Needs {' and '.join(missing)}, which the engine does not run yet."
+
+
+def bytes_read_per_token(model: CatalogModel) -> int:
+    """Weights read to generate one token: the active parameters at the file's bits per weight."""
+    active = model.active_params_b or model.params_b
+    return round(model.file_bytes * active / model.params_b)
+
+
+def _rank_key(model: CatalogModel, fit: FitResult, goal: Goal, installed: bool):
+    # GPU levels first: a model on the CPU is several times slower, whatever else it offers.
+    tier = 1 if fit.level == "cpu" else 0
+    speed = bytes_read_per_token(model)
+    if goal == "speed":
+        key = (model.quality < _MIN_USEFUL_QUALITY, speed, -model.quality)
+    elif goal == "quality":
+        key = (-model.quality, speed)
+    else:
+        # At equal quality a model made for this goal alone beats an all-rounder.
+        key = (goal not in model.good_for, -model.quality, len(model.good_for), speed)
+    return (tier, *key, not installed, model.id)
+
+
+def _goal_phrase(model: CatalogModel, goal: Goal) -> str:
+    if goal == "speed":
+        return f"the fastest useful model that fits ({gb(bytes_read_per_token(model))} of weights read per token)"
+    if goal == "quality":
+        return "the highest-quality model that fits"
+    if goal in model.good_for:
+        return f"the best model for {goal} that fits"
+    return f"no model made for {goal} fits, so the best other model"
+
+
+def _level_words(level: Level) -> str:
+    return {"gpu": "on the GPU", "gpu+ram": "on the GPU with experts in RAM", "cpu": "on the CPU"}[level]
+
+
+def recommend(
+    report: PcReport,
+    models: list[CatalogModel],
+    prefs: Preferences,
+    engine: EngineProfile,
+    installed_ids: set[str] | frozenset[str] = frozenset(),
+) -> Recommendation:
+    """Pick the model for this PC and goal, with the runners-up, those that do not fit and those not supported."""
+    budget = _budget(report, prefs)
+    fitting: list[tuple[CatalogModel, FitResult]] = []
+    not_fitting: list[RejectedModel] = []
+    not_supported: list[RejectedModel] = []
+    for model in models:
+        missing = _unsupported_reason(model, engine)
+        if missing:
+            not_supported.append(RejectedModel(id=model.id, name=model.name, reason=missing))
+            continue
+        fit = _fit(model, budget, prefs, engine)
+        if fit.level == "none":
+            not_fitting.append(RejectedModel(id=model.id, name=model.name, reason=fit.reason))
+        else:
+            fitting.append((model, fit))
+    fitting.sort(key=lambda pair: _rank_key(pair[0], pair[1], prefs.goal, pair[0].id in installed_ids))
+    choices = [
+        ModelChoice(
+            model_id=model.id,
+            name=model.name,
+            quant=model.quant,
+            why=fit.reason,
+            level=fit.level,
+            context_length=fit.context_length,
+            largest_context_that_fits=fit.largest_context_that_fits,
+            memory=fit.memory,
+            download_bytes=model.file_bytes,
+            bytes_read_per_token=bytes_read_per_token(model),
+            quality=model.quality,
+            good_for=list(model.good_for),
+            installed=model.id in installed_ids,
+        )
+        for model, fit in fitting
+    ]
+    if choices:
+        best, model = choices[0], fitting[0][0]
+        best.why = f"{best.why[:-1]}; {_goal_phrase(model, prefs.goal)}."
+        summary = (
+            f"{best.name} ({best.quant}) {_level_words(best.level)} with {best.context_length} tokens of context: "
+            f"{_goal_phrase(model, prefs.goal)}."
+        )
+    elif not_fitting:
+        summary = "No supported model in the catalog fits this PC; see not_fitting for what each one needs."
+    else:
+        summary = "The engine cannot run any model in the catalog yet; see not_supported for what is missing."
+    return Recommendation(
+        summary=summary,
+        goal=prefs.goal,
+        vram_budget_bytes=budget.vram,
+        ram_budget_bytes=budget.ram,
+        choice=choices[0] if choices else None,
+        alternatives=choices[1:],
+        not_fitting=not_fitting,
+        not_supported=not_supported,
+    )

@@ -1,0 +1,250 @@
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from setup_logic.catalog import get_model, load_catalog
+from setup_logic.fit import (
+    EngineProfile, Preferences, estimate_memory, fit_model, kv_cache_bytes, recommend, workspace_bytes,
+)
+from setup_logic.hardware import GIB, CpuInfo, GpuInfo, OsInfo, PcReport
+
+MIB = 1 << 20
+COMMON_TYPES = {"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}
+ARCHS = {"llama", "qwen3", "qwen3moe", "gemma3", "qwen2"}
+ENGINE = EngineProfile(supported_architectures=ARCHS, supported_tensor_types=COMMON_TYPES)
+# The planned engine: experts may live in RAM, computed by the CPU, with or without a float32 copy.
+MOE_F32 = ENGINE.model_copy(update={"experts_in_ram": True})
+MOE_QUANT = ENGINE.model_copy(update={"experts_in_ram": True, "cpu_weights_dequantized_to_f32": False})
+TODAY = EngineProfile(supported_architectures={"llama"}, supported_tensor_types={"F32", "Q4_1", "Q8_0"})
+
+
+def pc(ram_gb, available_gb, gpus=(), avx2=True) -> PcReport:
+    cpu = CpuInfo(model="test CPU", physical_cores=8, logical_cores=16, avx=True, avx2=avx2, avx512f=False,
+                  fma=True, f16c=True)
+    cards = [
+        GpuInfo(index=i, vendor="nvidia", name=name, vram_total_bytes=int(total * GIB),
+                vram_free_bytes=int(free * GIB), vram_used_bytes=int((total - free) * GIB), driver_version="570.86",
+                compute_capability="8.9", source="nvml")
+        for i, (name, total, free) in enumerate(gpus)
+    ]
+    return PcReport(os=OsInfo(name="Linux", version="test", machine="x86_64", wsl=False), cpu=cpu,
+                    ram_total_bytes=int(ram_gb * GIB), ram_available_bytes=int(available_gb * GIB), disk_path="/",
+                    disk_free_bytes=500 * GIB, gpus=cards, verdict="", reasons=[])
+
+
+def test_kv_cache_formula():
+    qwen = get_model("qwen3-8b")
+    assert kv_cache_bytes(qwen, 8192, 2) == 36 * 2 * 8 * 128 * 8192 * 2 == 1_207_959_552
+    # Hybrid attention: only the 16 full-attention layers of 64 keep a KV cache.
+    hybrid = get_model("qwen3.8-27b")
+    assert kv_cache_bytes(hybrid, 8192, 2) == 16 * 2 * 4 * 256 * 8192 * 2
+
+
+def test_cpu_estimate_holds_float32_weights_and_counts_file_pages_as_reclaimable():
+    smol = get_model("smollm2-135m-instruct")
+    e = estimate_memory(smol, 2048, "cpu", TODAY)
+    assert e.ram_weights_bytes == 134_515_008 * 4
+    assert e.kv_cache_bytes == 30 * 2 * 3 * 64 * 2048 * 4
+    assert e.vram_bytes == 0 and e.gpu_overhead_bytes == 0
+    assert e.reclaimable_file_bytes == smol.file_bytes
+    assert e.ram_required_bytes == e.ram_weights_bytes + e.kv_cache_bytes + e.workspace_bytes + e.ram_overhead_bytes
+    assert e.ram_bytes == e.ram_required_bytes + smol.file_bytes
+    assert e.ram_after_load_bytes == e.ram_bytes - e.kv_cache_bytes - e.workspace_bytes
+    assert "float32 weights" in e.explanation and "2048 tokens" in e.explanation
+    quantized = estimate_memory(smol, 2048, "cpu", TODAY.model_copy(update={"cpu_weights_dequantized_to_f32": False}))
+    assert quantized.ram_weights_bytes == smol.file_bytes and quantized.reclaimable_file_bytes == 0
+
+
+def test_gpu_estimate_uploads_the_quantized_file():
+    qwen = get_model("qwen3-8b")
+    e = estimate_memory(qwen, 8192, "gpu", ENGINE)
+    assert e.gpu_weights_bytes == 5_027_783_488 and e.ram_weights_bytes == 0
+    assert e.vram_bytes == e.gpu_weights_bytes + e.kv_cache_bytes + e.workspace_bytes + e.gpu_overhead_bytes
+    assert e.workspace_bytes == workspace_bytes(qwen, 8192, 512, on_gpu=True)
+    # The GPU's attention keeps partial sums, not the chunk's scores against the whole context as NumPy does.
+    assert workspace_bytes(qwen, 8192, 512, on_gpu=False) - e.workspace_bytes == 4 * 512 * 32 * (8192 - 130)
+    assert 300 * MIB <= e.gpu_overhead_bytes <= 500 * MIB
+    assert e.ram_required_bytes == e.ram_overhead_bytes < 1 * GIB
+    assert e.ram_after_load_bytes == e.ram_bytes == e.ram_required_bytes + qwen.file_bytes
+    assert e.explanation.startswith("GPU: weights 4.7 GB + KV cache 1.1 GB (8192 tokens)")
+
+
+def test_recurrent_state_is_counted_on_the_gpu():
+    e = estimate_memory(get_model("qwen3.8-27b"), 4096, "gpu", ENGINE)
+    assert e.recurrent_state_bytes == 156_893_184
+    assert e.vram_bytes == (e.gpu_weights_bytes + e.kv_cache_bytes + e.recurrent_state_bytes + e.workspace_bytes
+                            + e.gpu_overhead_bytes)
+    assert "recurrent state" in e.explanation
+
+
+def test_experts_split_between_gpu_and_ram():
+    coder = get_model("qwen3-coder-30b-a3b-instruct")
+    half = estimate_memory(coder, 8192, "gpu+ram", MOE_QUANT, experts_on_gpu=64)
+    assert half.gpu_weights_bytes + half.ram_weights_bytes == coder.file_bytes
+    assert half.ram_weights_bytes == coder.expert_bytes // 2
+    assert half.reclaimable_file_bytes == coder.file_bytes - half.ram_weights_bytes
+    f32 = estimate_memory(coder, 8192, "gpu+ram", MOE_F32, experts_on_gpu=64)
+    assert f32.ram_weights_bytes == round(28.991029248e9 * 4 / 2)
+    fewer = estimate_memory(coder, 8192, "gpu+ram", MOE_QUANT, experts_on_gpu=10)
+    assert fewer.vram_bytes < half.vram_bytes and fewer.ram_required_bytes > half.ram_required_bytes
+    assert fewer.ram_bytes == half.ram_bytes  # the whole file is mapped either way
+    assert "(64 experts per layer)" in half.explanation
+
+
+def test_estimate_refuses_impossible_placements():
+    with pytest.raises(ValueError, match="not a mixture of experts"):
+        estimate_memory(get_model("qwen3-8b"), 4096, "gpu+ram", MOE_F32, experts_on_gpu=1)
+    with pytest.raises(ValueError, match="between 0 and 127"):
+        estimate_memory(get_model("qwen3-30b-a3b"), 4096, "gpu+ram", MOE_F32, experts_on_gpu=128)
+    with pytest.raises(ValueError, match="at least 1"):
+        estimate_memory(get_model("qwen3-8b"), 0, "gpu", ENGINE)
+
+
+def test_largest_context_is_exactly_the_boundary():
+    busy = pc(32, 26, [("RTX 4090", 24, 3.5)])
+    fit = fit_model(get_model("qwen3-4b"), busy, Preferences(), ENGINE)
+    assert fit.level == "gpu" and fit.context_length == fit.largest_context_that_fits < 8192
+    budget = 0.95 * 3.5 * GIB
+    qwen = get_model("qwen3-4b")
+    assert estimate_memory(qwen, fit.largest_context_that_fits, "gpu", ENGINE).vram_bytes <= budget
+    assert estimate_memory(qwen, fit.largest_context_that_fits + 1, "gpu", ENGINE).vram_bytes > budget
+
+
+# One row per made-up PC: (PC, goal, engine, extra preferences) -> (chosen id, level, context, words in the why).
+TABLE = [
+    ("8 GB RAM, no GPU", pc(8, 6), "chat", ENGINE, {},
+     ("gemma-3-1b-it", "cpu", 8192, ["Runs on the CPU:", "of the 6 GB RAM available", "best model for chat"])),
+    ("16 GB RAM, no GPU, no AVX2", pc(16, 13, avx2=False), "chat", ENGINE, {},
+     ("gemma-3-1b-it", "cpu", 8192, ["Runs on the CPU", "AVX2 missing: CPU inference will be slow"])),
+    ("32 GB RAM, no GPU", pc(32, 28), "code", ENGINE, {},
+     ("qwen3-4b", "cpu", 8192, ["Runs on the CPU:", "18 GB of the 28 GB", "best model for code"])),
+    ("64 GB RAM, no GPU", pc(64, 58), "quality", ENGINE, {},
+     ("gemma-3-12b-it", "cpu", 8192, ["Runs on the CPU", "highest-quality"])),
+    ("16 GB RAM, 8 GB card", pc(16, 12, [("RTX 4060", 8, 7.5)]), "speed", ENGINE, {},
+     ("llama-3.2-3b-instruct", "gpu", 8192, ["Runs on the GPU (RTX 4060)", "fastest useful model", "1.9 GB"])),
+    ("32 GB RAM, 8 GB card", pc(32, 26, [("RTX 4060", 8, 7.5)]), "code", ENGINE, {},
+     ("qwen3-8b", "gpu", 8192, ["Runs on the GPU (RTX 4060): 6.3 GB of the 7.5 GB free VRAM"])),
+    ("32 GB RAM, 12 GB card", pc(32, 26, [("RTX 3060", 12, 11.5)]), "chat", ENGINE, {},
+     ("qwen3-14b", "gpu", 8192, ["Runs on the GPU (RTX 3060)", "best model for chat"])),
+    ("64 GB RAM, 16 GB card", pc(64, 55, [("RTX 4080", 16, 15.3)]), "chat", ENGINE, {},
+     ("qwen3-30b-a3b", "gpu", 8192, ["Runs on the GPU (RTX 4080): 14 GB of the 15 GB free VRAM"])),
+    ("64 GB RAM, 24 GB card", pc(64, 55, [("RTX 4090", 24, 23.5)]), "code", ENGINE, {},
+     ("qwen3-coder-30b-a3b-instruct", "gpu", 8192, ["Runs on the GPU (RTX 4090): 18 GB", "best model for code"])),
+    ("128 GB RAM, 24 GB card", pc(128, 120, [("RTX 4090", 24, 23.5)]), "chat", ENGINE, {},
+     ("qwen3-32b", "gpu", 8192, ["Runs on the GPU (RTX 4090): 21 GB of the 24 GB free VRAM"])),
+    ("24 GB card, other programs hold 20.5 GB", pc(32, 26, [("RTX 4090", 24, 3.5)]), "chat", ENGINE, {},
+     ("qwen3-4b", "gpu", 3483, ["of the 3.5 GB free VRAM", "context reduced from 8192 to fit"])),
+    ("24 GB card, 32768 tokens asked", pc(32, 26, [("RTX 4090", 24, 23.5)]), "chat", ENGINE,
+     {"context_length": 32768}, ("qwen3-30b-a3b", "gpu", 32768, ["with 32768 tokens of context"])),
+    ("no GPU detected, 12 GB VRAM override", pc(32, 26), "chat", ENGINE, {"vram_bytes_override": 12 * GIB},
+     ("qwen3-14b", "gpu", 8192, ["the GPU given by the VRAM override", "of the 12 GB free VRAM"])),
+    ("12 GB card, RAM override 8 GB", pc(128, 120, [("RTX 3060", 12, 11.5)]), "code", MOE_F32,
+     {"ram_bytes_override": 8 * GIB}, ("qwen3-14b", "gpu", 8192, ["Runs on the GPU (RTX 3060)"])),
+    ("12 GB card, 128 GB RAM, float32 experts in RAM", pc(128, 120, [("RTX 3060", 12, 11.5)]), "code", MOE_F32, {},
+     ("qwen3-coder-30b-a3b-instruct", "gpu+ram", 8192, ["72 experts per layer there and the rest in RAM"])),
+    ("8 GB card, 32 GB RAM, quantized experts in RAM", pc(32, 26, [("RTX 4060", 8, 7.5)]), "code", MOE_QUANT, {},
+     ("qwen3-coder-30b-a3b-instruct", "gpu+ram", 8192, ["41 experts per layer"])),
+]
+
+
+@pytest.mark.parametrize("label,report,goal,engine,extra,expected", TABLE, ids=[row[0] for row in TABLE])
+def test_recommendation_table(label, report, goal, engine, extra, expected):
+    model_id, level, context, words = expected
+    rec = recommend(report, load_catalog(), Preferences(goal=goal, **extra), engine)
+    choice = rec.choice
+    assert (choice.model_id, choice.level, choice.context_length) == (model_id, level, context), choice.why
+    for word in words:
+        assert word in choice.why
+    assert rec.summary.startswith(choice.name)
+    assert choice.memory.context_length == context
+    # Every alternative fits too, and none of them is the choice.
+    assert all(a.model_id != model_id and a.level in ("gpu", "gpu+ram", "cpu") for a in rec.alternatives)
+    # Supported models are either chosen, alternatives or explained as not fitting.
+    listed = {model_id} | {a.model_id for a in rec.alternatives} | {r.id for r in rec.not_fitting}
+    assert listed | {r.id for r in rec.not_supported} == {m.id for m in load_catalog()}
+
+
+def test_runners_up_are_ranked_and_explained():
+    rec = recommend(pc(64, 55, [("RTX 4090", 24, 23.5)]), load_catalog(), Preferences(goal="code"), ENGINE)
+    assert [a.model_id for a in rec.alternatives[:3]] == ["qwen3-32b", "qwen3-30b-a3b", "qwen3-14b"]
+    assert all(a.why.startswith("Runs on the GPU (RTX 4090)") for a in rec.alternatives)
+    # The models the test engine cannot run are listed with what is missing, never picked.
+    unsupported = {r.id: r.reason for r in rec.not_supported}
+    assert unsupported["qwen3.8-27b"] == "Needs the qwen35 architecture, which the engine does not run yet."
+    assert unsupported["gpt-oss-20b"] == (
+        "Needs the gpt-oss architecture and the tensor type MXFP4, which the engine does not run yet.")
+
+
+def test_todays_engine_runs_only_the_embedded_llama_model():
+    rec = recommend(pc(64, 55, [("RTX 4090", 24, 23.5)]), load_catalog(), Preferences(), TODAY)
+    assert rec.choice.model_id == "smollm2-135m-instruct" and rec.alternatives == []
+    reasons = {r.id: r.reason for r in rec.not_supported}
+    assert reasons["gemma-3-270m"] == (
+        "Needs the gemma3 architecture and tensor types Q4_K, Q5_0, Q6_K, which the engine does not run yet.")
+    assert reasons["llama-3.2-3b-instruct"] == "Needs tensor types Q4_K, Q6_K, which the engine does not run yet."
+    assert len(reasons) == len(load_catalog()) - 1
+
+
+def test_nothing_fits_a_tiny_pc():
+    rec = recommend(pc(1, 0.5), load_catalog(), Preferences(), ENGINE)
+    assert rec.choice is None and rec.alternatives == []
+    assert rec.summary.startswith("No supported model in the catalog fits this PC")
+    smol = next(r for r in rec.not_fitting if r.id == "smollm2-135m-instruct")
+    assert smol.reason.startswith("Too big for this PC even with 2048 tokens of context: it needs")
+    assert "of RAM on the CPU (0.5 GB available)" in smol.reason
+
+
+def test_context_longer_than_the_model_allows_is_refused_per_model():
+    prefs = Preferences(goal="code", context_length=49152)
+    rec = recommend(pc(64, 55, [("RTX 4090", 24, 23.5)]), load_catalog(), prefs, ENGINE)
+    assert rec.choice.model_id == "qwen3-coder-30b-a3b-instruct"  # 262,144 tokens; the Qwen3 dense stop at 40,960
+    reason = next(r.reason for r in rec.not_fitting if r.id == "qwen3-8b")
+    assert reason == "It handles at most 40960 tokens of context, fewer than the 49152 asked for."
+    # Longer still, the coder's KV cache no longer fits the card: asked-for contexts are never cut.
+    rec = recommend(pc(64, 55, [("RTX 4090", 24, 23.5)]), load_catalog(), Preferences(goal="code", context_length=65536), ENGINE)
+    assert rec.choice.model_id == "llama-3.1-8b-instruct" and rec.choice.context_length == 65536
+    assert "no model made for code fits, so the best other model" in rec.choice.why
+    reason = next(r.reason for r in rec.not_fitting if r.id == "qwen3-coder-30b-a3b-instruct")
+    assert reason.startswith("Too big for this PC even with 65536 tokens of context: it needs 23 GB of VRAM on the GPU")
+
+
+def test_small_models_keep_their_own_maximum():
+    fit = fit_model(get_model("gemma-3-1b-it"), pc(64, 55), Preferences(), ENGINE)
+    assert fit.level == "cpu" and fit.largest_context_that_fits == 32768
+
+
+def test_installed_models_are_flagged():
+    rec = recommend(pc(32, 26, [("RTX 4060", 8, 7.5)]), load_catalog(), Preferences(goal="code"), ENGINE,
+                    installed_ids={"qwen3-8b"})
+    assert rec.choice.installed and not any(a.installed for a in rec.alternatives)
+
+
+def test_budgets_come_from_the_best_gpu_and_available_ram():
+    report = pc(64, 40, [("RTX 3060", 12, 11), ("RTX 4080", 16, 4)])
+    rec = recommend(report, load_catalog(), Preferences(), ENGINE)
+    assert rec.vram_budget_bytes == 11 * GIB and rec.ram_budget_bytes == 40 * GIB
+    rec = recommend(report, load_catalog(), Preferences(vram_bytes_override=0, ram_bytes_override=GIB * 20), ENGINE)
+    assert rec.vram_budget_bytes == 0 and rec.choice.level == "cpu"
+
+
+MEASURE = """
+import sys, psutil
+from engine.model import load_model
+process = psutil.Process()
+before = process.memory_info().rss
+model = load_model(sys.argv[1], device="cpu", context_length=int(sys.argv[2]))
+print(process.memory_info().rss - before)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("context", [2048, 8192])
+def test_cpu_estimate_matches_what_the_engine_allocates(smollm2_gguf: Path, context):
+    """Loading SmolLM2 on the CPU grows the process by the estimate's ram_after_load_bytes, within 15%."""
+    out = subprocess.run([sys.executable, "-c", MEASURE, str(smollm2_gguf), str(context)], capture_output=True,
+                         text=True, check=True)
+    grown = int(out.stdout.strip().splitlines()[-1])
+    estimate = estimate_memory(get_model("smollm2-135m-instruct"), context, "cpu", TODAY)
+    assert abs(grown - estimate.ram_after_load_bytes) <= 0.15 * grown, (grown, estimate.explanation)
