@@ -9,7 +9,7 @@ import pytest
 from engine import EngineError, load_model, read_gguf_summary
 from engine.arch import llama
 from engine.backend_numpy import NumpyBackend
-from engine.gguf_file import GGUFFile
+from engine.gguf_file import GGUFFile, GGUFTensor
 
 
 def write_gguf(path, arch="llama", tensors=None, **metadata):
@@ -96,3 +96,9 @@ def test_missing_tensor_and_tokenizer_are_explained(tmp_path):
         llama.load_weights(model, config, NumpyBackend(), 64)
     with pytest.raises(EngineError, match="hollow.gguf has no tokenizer"):
         load_model(path, device="cpu")
+
+
+def test_unsupported_tensor_type_names_tensor_and_type():
+    tensor = GGUFTensor("blk.0.ffn_up.weight", gguf.GGMLQuantizationType.TQ1_0, (4, 256), np.zeros(4 * 54, np.uint8))
+    with pytest.raises(EngineError, match=r"blk\.0\.ffn_up\.weight.*TQ1_0.*Q4_1"):
+        NumpyBackend().upload(tensor)
