@@ -3,7 +3,8 @@
 Byte-level BPE (`tokenizer.ggml.model` = "gpt2") is supported: the vocabulary and merges as stored, control
 tokens (token type 3) as special tokens, user-defined tokens (type 4) as added tokens, and the split regex
 named by `tokenizer.ggml.pre` where it differs from GPT-2's. This mirrors how Hugging Face transformers builds
-the same tokenizer from a GGUF, so both give the same ids.
+the same tokenizer from a GGUF, so both give the same ids. Gemma's SentencePiece vocabularies
+(`tokenizer.ggml.model` = "llama") are built by engine/tokenizer_spm.py.
 
 Decoding goes through each token's bytes, which also gives UTF-8-safe streaming (`StreamDecoder`).
 """
@@ -16,6 +17,7 @@ from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, mo
 
 from engine.errors import EngineError
 from engine.gguf_file import GGUFFile
+from engine.tokenizer_spm import build_sentencepiece
 
 _TOKEN_CONTROL = 3
 _TOKEN_USER_DEFINED = 4
@@ -63,14 +65,25 @@ class Tokenizer:
                 f"{gguf.path.name} has no tokenizer in its metadata (tokenizer.ggml.model); it is not a complete "
                 "model file. Download the model again or pick another one."
             )
-        if kind != "gpt2":
+        if kind not in ("gpt2", "llama"):
             raise EngineError(
                 f"The model {gguf.path.name} uses a {kind!r} tokenizer; this engine supports byte-level BPE "
-                "('gpt2') tokenizers only. Pick a model whose GGUF states tokenizer.ggml.model = gpt2."
+                "('gpt2') and Gemma's SentencePiece ('llama') tokenizers only. Pick a model with one of these."
             )
         tokens: list[str] = gguf.require("tokenizer.ggml.tokens")
         token_types = gguf.get("tokenizer.ggml.token_type")
         token_types = [int(t) for t in token_types] if token_types is not None else [1] * len(tokens)
+        if kind == "llama":
+            self._hf, self.special_ids, self._bytes = build_sentencepiece(gguf, tokens, token_types)
+        else:
+            self._build_byte_level(gguf, tokens, token_types)
+        self._ids = {t: i for i, t in enumerate(tokens)}
+        self.vocab_size = len(tokens)
+        self.bos_id = gguf.get("tokenizer.ggml.bos_token_id")
+        self.eos_id = gguf.get("tokenizer.ggml.eos_token_id")
+        self.add_bos = bool(gguf.get("tokenizer.ggml.add_bos_token", False))
+
+    def _build_byte_level(self, gguf: GGUFFile, tokens: list[str], token_types: list[int]) -> None:
         alphabet = byte_alphabet()
         decode_char = {c: b for b, c in alphabet.items()}
         allowed = set(alphabet.values())
@@ -103,11 +116,6 @@ class Tokenizer:
             tokens[i].encode("utf-8") if i in literal else bytes(decode_char[c] for c in spelled[i])
             for i in range(len(tokens))
         ]
-        self._ids = {t: i for i, t in enumerate(tokens)}
-        self.vocab_size = len(tokens)
-        self.bos_id = gguf.get("tokenizer.ggml.bos_token_id")
-        self.eos_id = gguf.get("tokenizer.ggml.eos_token_id")
-        self.add_bos = bool(gguf.get("tokenizer.ggml.add_bos_token", False))
 
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
         """Token ids of text; special tokens written in the text (like <|im_start|>) become their ids.

@@ -1,0 +1,77 @@
+"""The real Gemma-3-270M Q4_K_M: our logits and tokenizer against Hugging Face transformers on the same GGUF."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_tokenizer import CORPUS
+
+from engine import load_model
+
+PROMPTS = [
+    "The capital of France is Paris. The capital of Germany is",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "<start_of_turn>user\nWrite a haiku about the sea, in English, please.<end_of_turn>\n<start_of_turn>model\n",
+]
+GEMMA_TEXT = [
+    "<start_of_turn>user\nHi there<end_of_turn>\n<start_of_turn>model\n",
+    "  two  spaces   three\n\n\n and\ttabs\t\t",
+    "<unused0> [multimodal] <pad> <mask>",
+]
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def engine_model(gemma3_gguf):
+    model = load_model(gemma3_gguf, device="cpu", context_length=512)
+    yield model
+    model.close()
+
+
+@pytest.fixture(scope="module")
+def hf_model(gemma3_gguf):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(2)
+    model = AutoModelForCausalLM.from_pretrained(gemma3_gguf.parent, gguf_file=gemma3_gguf.name, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(gemma3_gguf):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(gemma3_gguf.parent, gguf_file=gemma3_gguf.name)
+
+
+def test_the_file_is_gemma3(engine_model):
+    assert engine_model.info.architecture == "gemma3"
+    assert engine_model.info.n_layers == 18 and engine_model.info.vocab_size == 262144
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_logits_match_transformers(engine_model, hf_model, prompt):
+    import torch
+
+    ids = engine_model.tokenizer.encode(prompt)
+    assert ids[0] == engine_model.tokenizer.bos_id
+    ours, _ = engine_model.prompt_logits(ids, all_positions=True)
+    with torch.no_grad():
+        theirs = hf_model(torch.tensor([ids])).logits[0].float().numpy()
+    assert ours.shape == theirs.shape == (len(ids), 262144)
+    spread = theirs.max(axis=-1) - theirs.min(axis=-1)
+    error = float(np.max(np.abs(ours - theirs).max(axis=-1) / spread))
+    print(f"gemma-3-270m: max |diff| / logit range = {error:.2e}")
+    assert error < 1e-3
+    assert np.array_equal(ours.argmax(axis=-1), theirs.argmax(axis=-1))
+
+
+@pytest.mark.parametrize("text", CORPUS + GEMMA_TEXT)
+def test_tokenization_matches_transformers(engine_model, hf_tokenizer, text):
+    ours = engine_model.tokenizer
+    assert ours.encode(text) == hf_tokenizer.encode(text)
+    ids = ours.encode(text, add_bos=False)
+    assert ids == hf_tokenizer.encode(text, add_special_tokens=False)
+    assert ours.decode(ids) == hf_tokenizer.decode(ids, skip_special_tokens=False) == text
