@@ -85,7 +85,6 @@ class LoadedModel:
     def __init__(self, gguf: GGUFFile, state: ModelState, tokenizer: Tokenizer, template: ChatTemplate | None, info: ModelInfo):
         self.info = info
         self.tokenizer = tokenizer
-        self._gguf = gguf
         self._state: ModelState | None = state
         self._template = template
         self._lock = threading.Lock()
@@ -168,7 +167,6 @@ class LoadedModel:
                 self._state.backend.close()
                 self._state = None
                 self._all_logits = None
-                self._gguf.close()
 
 
 def load_model(
@@ -231,4 +229,6 @@ def load_model(
         weight_bytes=weight_bytes,
         kv_cache_bytes=cache.nbytes,
     )
-    return LoadedModel(gguf, state, tokenizer, template, info)
+    model = LoadedModel(gguf, state, tokenizer, template, info)
+    gguf.close()  # everything needed is uploaded or copied; drop the file mapping
+    return model

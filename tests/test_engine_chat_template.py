@@ -51,6 +51,7 @@ def hf_tokenizer(smollm2_gguf):
     return AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("messages", CONVERSATIONS)
 def test_gguf_template_matches_transformers_tokenizer(hf_tokenizer, smollm2_template, messages):
     expected = hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

@@ -10,6 +10,8 @@ import pytest
 from engine import Cancelled, EngineError, GenerationSettings, load_model
 from engine.generate import StopStringFilter
 
+pytestmark = pytest.mark.slow  # loads the real model
+
 GREEDY = GenerationSettings(temperature=0, max_tokens=24)
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 

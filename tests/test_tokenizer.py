@@ -7,6 +7,8 @@ import pytest
 from engine.gguf_file import GGUFFile
 from engine.tokenizer import Tokenizer
 
+pytestmark = pytest.mark.slow  # builds transformers' tokenizer from the GGUF
+
 CORPUS = [
     "Hello, world!",
     "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n",
