@@ -18,7 +18,11 @@ from pathlib import Path
 import psutil
 
 from engine import EngineError, LoadedModel, load_model
+from engine.arch import ARCHITECTURES
+from engine.quants import SUPPORTED_TYPES
+from setup_logic.catalog import get_model
 from setup_logic.errors import SetupError
+from setup_logic.fit import EngineProfile, estimate_memory
 from setup_logic.install import Installer
 from setup_logic.store import Store
 
@@ -37,6 +41,14 @@ def measure_memory() -> dict:
     except Exception:  # no NVIDIA driver: a normal case, not an error
         used = None
     return {"process_rss_bytes": psutil.Process().memory_info().rss, "gpu_used_bytes": used}
+
+
+def engine_profile() -> EngineProfile:
+    """What our engine runs, as data for setup_logic (which must not import the engine)."""
+    return EngineProfile(
+        supported_architectures=set(ARCHITECTURES),
+        supported_tensor_types={t.name for t in SUPPORTED_TYPES},
+    )
 
 
 class UserError(Exception):
@@ -132,6 +144,15 @@ class Runtime:
             on_progress(load.done, load.total or None, load.message or "loading")
             time.sleep(0.1)
         return self.slot
+
+    def estimated_bytes(self, slot: EngineSlot) -> int | None:
+        """choose_model's estimate for the loaded model at its context, on the device it runs on."""
+        if slot.model is None or slot.model_id is None:
+            return None
+        info = slot.model.info
+        on_gpu = info.backend != "numpy"
+        estimate = estimate_memory(get_model(slot.model_id), info.context_length, "gpu" if on_gpu else "cpu", engine_profile())
+        return estimate.vram_bytes if on_gpu else estimate.ram_bytes
 
     # -- unloading -----------------------------------------------------------------------
     def stop_model(self, force: bool, timeout: float = 30.0) -> EngineSlot:

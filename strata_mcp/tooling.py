@@ -20,7 +20,7 @@ from mcp.server.mcpserver.exceptions import ToolError
 from mcp.types import ToolAnnotations
 from pydantic import BaseModel, Field, ValidationError
 
-from strata_mcp.runtime import Runtime, UserError
+from strata_mcp.runtime import USER_ERRORS, Runtime, UserError
 
 PROGRESS_INTERVAL_S = 0.25
 
@@ -125,7 +125,7 @@ def register(server: MCPServer, runtime: Runtime, spec: ToolSpec) -> None:
         try:
             args = parse_args(spec, raw)
             return await _run_in_thread(spec, runtime, args, ctx)
-        except UserError as exc:
+        except USER_ERRORS as exc:
             raise ToolError(str(exc)) from None
 
     ctx_param = inspect.Parameter("ctx", inspect.Parameter.KEYWORD_ONLY, annotation=Context)
