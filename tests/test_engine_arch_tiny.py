@@ -41,6 +41,14 @@ def _build(arch: str):
         return tf.Qwen2ForCausalLM(tf.Qwen2Config(**_small(rms_norm_eps=1e-6)))
     if arch == "qwen3":
         return tf.Qwen3ForCausalLM(tf.Qwen3Config(**_small(rms_norm_eps=1e-6, tie_word_embeddings=True)))
+    if arch == "llama":
+        return tf.LlamaForCausalLM(tf.LlamaConfig(**_small(rms_norm_eps=1e-5)))
+    if arch == "llama3":
+        # Llama 3's rotary scaling with a short original context, so that the low-, mid- and high-frequency
+        # bands of the 16-dim heads all occur (written as llama.cpp does: a rope_freqs tensor).
+        rope = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                    original_max_position_embeddings=64)
+        return tf.LlamaForCausalLM(tf.LlamaConfig(**_small(rms_norm_eps=1e-5, rope_parameters=rope)))
     if arch == "gemma3":
         # Six layers: five sliding-window layers (window 5, shorter than the prompts) and one global layer.
         config = tf.Gemma3TextConfig(
@@ -60,7 +68,8 @@ def _randomize_norms(model):
                 p.add_(torch.randn_like(p) * 0.3)
 
 
-ARCHS = ["qwen2", "qwen3", "gemma3"]
+ARCHS = ["llama", "llama3", "qwen2", "qwen3", "gemma3"]
+GGUF_ARCH = {"llama3": "llama"}
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -72,7 +81,7 @@ def pair(request, tmp_path_factory, smollm2_gguf):
     arch = request.param
     hf = _build(arch).eval()
     _randomize_norms(hf)
-    path = write_gguf(hf, arch, tmp_path_factory.mktemp(arch) / f"tiny-{arch}.gguf", smollm2_gguf)
+    path = write_gguf(hf, GGUF_ARCH.get(arch, arch), tmp_path_factory.mktemp(arch) / f"tiny-{arch}.gguf", smollm2_gguf)
     ours = load_model(path, device="cpu", context_length=256)
     yield arch, hf, ours
     ours.close()
