@@ -185,6 +185,37 @@ class Backend(Protocol):
         contents afterwards are unspecified; neither may alias x.
         """
 
+    def moe_route(self, router_logits: Array, top_k: int, normalize: bool, weights_out: Array, ids_out: Array) -> None:
+        """Pick each token's experts from its router logits.
+
+        p = softmax(router_logits[i]) in float32; ids_out[i] = the top_k experts by p, highest first (ties:
+        lower id first); weights_out[i] = p at those ids, divided by their sum when `normalize`.
+        router_logits: (n, n_experts) float32; weights_out: (n, top_k) float32; ids_out: (n, top_k) int32.
+        """
+
+    def moe_ffn(
+        self,
+        x: Array,
+        gate_exps: WeightHandle,
+        up_exps: WeightHandle,
+        down_exps: WeightHandle,
+        ids: Array,
+        weights: Array,
+        out: Array,
+        scratch: Array,
+        activation: str = "silu",
+    ) -> None:
+        """Mixture-of-experts gated FFN over stacked expert matrices, only the chosen experts computed:
+
+            out[i] = sum_j weights[i, j] * down_exps[e] @ (act(gate_exps[e] @ x[i]) * (up_exps[e] @ x[i])),
+            e = ids[i, j], act as in `gated_ffn`.
+
+        x: (n, k) float32; gate_exps, up_exps: (n_experts, f, k) and down_exps: (n_experts, d, f), GGUF's
+        stacked `ffn_*_exps` tensors (each expert's matrix is a contiguous slab of whole rows); ids: (n, top_k)
+        int32; weights: (n, top_k) float32; out: (n, d) float32, must not alias x; scratch: (n, top_k, 2 f)
+        float32 working space whose contents afterwards are unspecified.
+        """
+
     def rope_store_kv(
         self,
         q: Array,

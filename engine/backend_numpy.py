@@ -147,6 +147,12 @@ class NumpyBackend:
     def gated_ffn(self, x, gate: NumpyWeight, up: NumpyWeight, out, scratch, activation: str = "silu") -> None:
         reference.gated_ffn(x, gate.data, up.data, out, scratch, activation)
 
+    def moe_route(self, router_logits, top_k: int, normalize: bool, weights_out, ids_out) -> None:
+        reference.moe_route(router_logits, top_k, normalize, weights_out, ids_out)
+
+    def moe_ffn(self, x, gate_exps: NumpyWeight, up_exps: NumpyWeight, down_exps: NumpyWeight, ids, weights, out, scratch, activation: str = "silu") -> None:
+        reference.moe_ffn(x, gate_exps.data, up_exps.data, down_exps.data, ids, weights, out, scratch, activation)
+
     def rope_store_kv(self, q, k, v, rope: NumpyRope, style: str, cache: NumpyKVCache, layer: int, start) -> None:
         reference.rope_store_kv(q, k, v, rope.cos, rope.sin, style, cache.k[layer], cache.v[layer], int(start[0]))
 

@@ -49,6 +49,11 @@ def gated_ffn(
 ) -> None:
     np.matmul(x, gate.T, out=out)
     np.matmul(x, up.T, out=scratch)
+    _activate(out, activation)
+    out *= scratch
+
+
+def _activate(out: np.ndarray, activation: str) -> None:
     if activation == "silu":
         # silu(g) = g * sigmoid(g) = g / (1 + exp(-g)); exp overflow to inf gives the right limit 0.
         with np.errstate(over="ignore"):
@@ -57,7 +62,42 @@ def gated_ffn(
         out[...] = _gelu_tanh(out)
     else:
         raise ValueError(f"unknown activation {activation!r}")
-    out *= scratch
+
+
+def moe_route(router_logits: np.ndarray, top_k: int, normalize: bool, weights_out: np.ndarray, ids_out: np.ndarray) -> None:
+    logits = router_logits.astype(np.float32, copy=False)
+    probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    probs /= probs.sum(axis=-1, keepdims=True)
+    # A stable sort of -p keeps lower ids first among equal probabilities.
+    ids = np.argsort(-probs, axis=-1, kind="stable")[:, :top_k]
+    picked = np.take_along_axis(probs, ids, axis=-1)
+    if normalize:
+        picked = picked / picked.sum(axis=-1, keepdims=True)
+    weights_out[...] = picked
+    ids_out[...] = ids
+
+
+def moe_ffn(
+    x: np.ndarray,
+    gate_exps: np.ndarray,
+    up_exps: np.ndarray,
+    down_exps: np.ndarray,
+    ids: np.ndarray,
+    weights: np.ndarray,
+    out: np.ndarray,
+    scratch: np.ndarray,
+    activation: str = "silu",
+) -> None:
+    """One pass per expert some token chose, over the tokens that chose it (a token picks an expert once).
+    The gathered rows are temporaries here, so `scratch` (the GPU kernels' space) stays untouched."""
+    out[...] = 0
+    for expert in np.unique(ids):
+        rows, slots = np.nonzero(ids == expert)
+        xe = x[rows]
+        hidden = xe @ gate_exps[expert].T
+        _activate(hidden, activation)
+        hidden *= xe @ up_exps[expert].T
+        out[rows] += (hidden @ down_exps[expert].T) * weights[rows, slots, None]
 
 
 def rope_tables(inv_freq: np.ndarray, max_positions: int, attn_factor: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
