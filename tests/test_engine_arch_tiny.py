@@ -49,6 +49,13 @@ def _build(arch: str):
         rope = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                     original_max_position_embeddings=64)
         return tf.LlamaForCausalLM(tf.LlamaConfig(**_small(rms_norm_eps=1e-5, rope_parameters=rope)))
+    if arch == "qwen3moe":
+        # 8 experts, 2 per token, every layer sparse: routing decides which weights a token sees.
+        config = tf.Qwen3MoeConfig(
+            **_small(rms_norm_eps=1e-6, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                     norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+        )
+        return tf.Qwen3MoeForCausalLM(config)
     if arch == "gemma3":
         # Six layers: five sliding-window layers (window 5, shorter than the prompts) and one global layer.
         config = tf.Gemma3TextConfig(
@@ -68,7 +75,7 @@ def _randomize_norms(model):
                 p.add_(torch.randn_like(p) * 0.3)
 
 
-ARCHS = ["llama", "llama3", "qwen2", "qwen3", "gemma3"]
+ARCHS = ["llama", "llama3", "qwen2", "qwen3", "qwen3moe", "gemma3"]
 GGUF_ARCH = {"llama3": "llama"}
 
 

@@ -21,6 +21,7 @@ ARCHITECTURES = {
     "llama": "engine.arch.llama",
     "qwen2": "engine.arch.qwen3",
     "qwen3": "engine.arch.qwen3",
+    "qwen3moe": "engine.arch.qwen3moe",
 }
 
 
