@@ -194,8 +194,11 @@ class Installer:
         return self.store.resolve(f"models/{model.id}/{file.name}")
 
     def _part_path(self, model: CatalogModel, file: ModelFile) -> Path:
-        final = self._file_path(model, file)
-        return final.with_name(final.name + ".part")
+        return self.store.resolve(f"models/{model.id}/{file.name}.part")
+
+    def _own_path(self, model: CatalogModel, name: str) -> Path:
+        """A file of the installer's own in the model's folder (checked like every other path)."""
+        return self.store.resolve(f"models/{model.id}/{name}")
 
     def _is_installed(self, model: CatalogModel) -> bool:
         entry = self.store.get_installed(model.id)
@@ -263,7 +266,7 @@ class Installer:
                 raise NotEnoughDiskError(plan.summary)
             model_dir = self.store.model_dir(model.id)
             model_dir.mkdir(parents=True, exist_ok=True)
-            lock = filelock.FileLock(model_dir / ".install.lock", timeout=0, thread_local=False)
+            lock = filelock.FileLock(self._own_path(model, ".install.lock"), timeout=0, thread_local=False)
             try:
                 lock.acquire()
             except filelock.Timeout:
@@ -344,8 +347,7 @@ class Installer:
 
     def _install(self, job: _Job) -> None:
         model = job.model
-        model_dir = self.store.model_dir(model.id)
-        notes_path = model_dir / VERIFIED_NOTES
+        notes_path = self._own_path(model, VERIFIED_NOTES)
         notes = self._read_notes(notes_path)
         paths, hashes, total = [], [], 0
         for f in model.files:
@@ -355,8 +357,8 @@ class Installer:
             job.begin_file(f.name, self._total(job, model, rest))
             digest = self._already_verified(job, f, final, notes_path, notes)
             if digest is None:
-                sources.download(f, part, model_dir / ".download", job.cancel, self._reporter(job, model, f, rest),
-                                 self.retry)
+                sources.download(f, part, self._own_path(model, ".download"), job.cancel,
+                                 self._reporter(job, model, f, rest), self.retry)
                 digest = self._verify(job, f, part)
                 os.replace(part, final)
                 self._discard(part)

