@@ -138,6 +138,8 @@ def cmd_quickstart(runtime: Runtime, args) -> None:
     for number, (name, step) in enumerate(steps, 1):
         result = step()
         print(f"[{number}/{len(steps)}] {name}: {result.summary}")
+        if name == "choose_model" and result.choice is not None and result.choice.model_id != DEFAULT_MODEL:
+            print(f"      (quickstart goes on with the embedded {DEFAULT_MODEL}; `strata install {result.choice.model_id}` gets the pick)")
         if name == "chat":
             print(f"      Q: {args.question}\n      A: {result.text.strip()}")
         if name == "install" and result.action != "installed":
