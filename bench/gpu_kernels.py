@@ -3,7 +3,7 @@ product per weight type and variant, and the prompt path's dequantize + cuBLAS p
 
 Prints one JSON line per measurement. Decode launches are captured in a CUDA graph and replayed, rotating over
 enough weight copies that they do not fit in L2, so the time is the kernel's, not Python's or the cache's.
-Usage: python bench/gpu_kernels.py
+Usage: python bench/gpu_kernels.py [copy] [matvec] [prompt]
 """
 
 from __future__ import annotations
@@ -70,32 +70,33 @@ def weight_copies(qtype, m, k, rng):
 
 
 def bench_matvec(rng):
-    shapes = {"8B qkv": (6144, 4096), "8B ffn_down": (4096, 14336), "8B ffn_gate+up": (14336, 4096),
-              "1.2B o": (2048, 2048), "8B head": (128256, 4096)}
-    for qtype in (T.Q4_0, T.Q4_K, T.Q6_K, T.Q8_0, T.Q4_1):
+    shapes = {"8B qkv": (6144, 4096), "8B o": (4096, 4096), "8B ffn_down": (4096, 14336),
+              "8B ffn_gate+up": (14336, 4096), "1.2B qkv": (3072, 2048), "1.2B ffn_down": (2048, 8192),
+              "1.2B ffn_gate+up": (8192, 2048), "135M ffn_gate+up": (1536, 576), "8B head": (128256, 4096)}
+    for qtype in (T.Q4_0, T.Q4_K, T.Q6_K, T.Q4_1):
         for label, (m, k) in shapes.items():
             ws, nbytes = weight_copies(qtype, m, k, rng)
             x = cp.asarray(rng.standard_normal(k).astype(np.float32))
-            xq, xds = cp.empty(k, cp.int8), cp.empty((k // 32, 2), cp.float32)
+            q8, q8_out = K.Q8.empty(k), K.Q8.empty(m)
             out = cp.empty(m, cp.float32)
-            K.quantize_q8(x, xq, xds)
-            variants = {"r1": 1, "r2": 2} if "gate" not in label else {"glu": 0}
+            K.quantize_q8(x, q8)
+            variants = {"w1": 1, "w2": 2, "w4": 4} if "gate" not in label else {"glu": 0, "glu_q8": 0}
             for name, r in variants.items():
-                if name == "glu":
-                    def launch():
+                if name.startswith("glu"):
+                    def launch(name=name):
                         for i in range(0, len(ws) - 1, 2):
-                            K.matvec_glu(ws[i], ws[i + 1], x, xq, xds, out, K.ACT_SILU)
+                            K.matvec_glu(ws[i], ws[i + 1], x, q8, out, K.ACT_SILU, q8_out if name == "glu_q8" else None)
                     per = len(ws) // 2
                 else:
-                    def launch():
+                    def launch(r=r):
                         for w in ws:
-                            K.matvec(w, x, xq, xds, out, r)
+                            K.matvec(w, x, q8, out, r)
                     per = len(ws)
                 t = timed_graph(launch) / per
                 print(json.dumps({"kernel": "matvec", "type": qtype.name, "shape": label, "m": m, "k": k,
                                   "variant": name, "us": round(t * 1e6, 2),
-                                  "GB/s": round(nbytes * (2 if name == "glu" else 1) / t / 1e9, 1),
-                                  "fraction_of_4.3TB/s": round(nbytes * (2 if name == "glu" else 1) / t / BANDWIDTH, 3)}),
+                                  "GB/s": round(nbytes * (2 if "glu" in name else 1) / t / 1e9, 1), "heuristic_w": K.warps_per_row(m, k),
+                                  "fraction_of_4.3TB/s": round(nbytes * (2 if "glu" in name else 1) / t / BANDWIDTH, 3)}),
                       flush=True)
             del ws
 
@@ -129,9 +130,13 @@ def bench_copy():
 def main() -> None:
     rng = np.random.default_rng(0)
     print(json.dumps({"gpu": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "cupy": cp.__version__}))
-    bench_copy()
-    bench_matvec(rng)
-    bench_prompt(rng)
+    parts = sys.argv[1:] or ["copy", "matvec", "prompt"]
+    if "copy" in parts:
+        bench_copy()
+    if "matvec" in parts:
+        bench_matvec(rng)
+    if "prompt" in parts:
+        bench_prompt(rng)
 
 
 if __name__ == "__main__":

@@ -28,15 +28,31 @@ SHAPES = {
 
 
 def random_matrix(qtype: GGMLQuantizationType, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """A (rows, cols) weight of type qtype with values of about 0.02, as the writer takes it (bytes per row
+    for quantized types)."""
+    floats = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16}
+    if qtype in floats:
+        return (rng.standard_normal((rows, cols), np.float32) * 0.02).astype(floats[qtype])
+    if qtype == GGMLQuantizationType.BF16:
+        values = (rng.standard_normal((rows, cols), np.float32) * 0.02).view(np.uint32) >> 16
+        return values.astype(np.uint16).view(np.uint8).reshape(rows, 2 * cols)
     elements, block_bytes = quants.block_layout(qtype)
     return random_blocks(qtype, rows * cols // elements, rng).reshape(rows, cols // elements * block_bytes)
 
 
-def write_model(path: Path, shape: str, qtype: GGMLQuantizationType, seed: int = 0) -> None:
-    s = SHAPES[shape]
+def add_matrix(w: GGUFWriter, name: str, qtype: GGMLQuantizationType, rows: int, cols: int, rng) -> None:
+    data = random_matrix(qtype, rows, cols, rng)
+    if data.dtype == np.uint8:
+        w.add_tensor(name, data, raw_dtype=qtype)
+    else:
+        w.add_tensor(name, data)
+
+
+def write_model(path: Path, s: dict, qtype: GGMLQuantizationType, name: str, seed: int = 0) -> None:
+    """Write the model of geometry s (a SHAPES entry) with every matrix of type qtype."""
     rng = np.random.default_rng(seed)
     w = GGUFWriter(str(path), "llama")
-    w.add_name(f"synthetic-llama-{shape}-{qtype.name}")
+    w.add_name(name)
     w.add_context_length(8192)
     w.add_embedding_length(s["hidden"])
     w.add_block_count(s["layers"])
@@ -59,20 +75,20 @@ def write_model(path: Path, shape: str, qtype: GGMLQuantizationType, seed: int =
 
     hidden, ffn, kv = s["hidden"], s["ffn"], s["kv_heads"] * (s["hidden"] // s["heads"])
     norm = np.ones(hidden, np.float32)
-    w.add_tensor("token_embd.weight", random_matrix(qtype, s["vocab"], hidden, rng), raw_dtype=qtype)
+    add_matrix(w, "token_embd.weight", qtype, s["vocab"], hidden, rng)
     for i in range(s["layers"]):
         w.add_tensor(f"blk.{i}.attn_norm.weight", norm)
-        w.add_tensor(f"blk.{i}.attn_q.weight", random_matrix(qtype, hidden, hidden, rng), raw_dtype=qtype)
-        w.add_tensor(f"blk.{i}.attn_k.weight", random_matrix(qtype, kv, hidden, rng), raw_dtype=qtype)
-        w.add_tensor(f"blk.{i}.attn_v.weight", random_matrix(qtype, kv, hidden, rng), raw_dtype=qtype)
-        w.add_tensor(f"blk.{i}.attn_output.weight", random_matrix(qtype, hidden, hidden, rng), raw_dtype=qtype)
+        add_matrix(w, f"blk.{i}.attn_q.weight", qtype, hidden, hidden, rng)
+        add_matrix(w, f"blk.{i}.attn_k.weight", qtype, kv, hidden, rng)
+        add_matrix(w, f"blk.{i}.attn_v.weight", qtype, kv, hidden, rng)
+        add_matrix(w, f"blk.{i}.attn_output.weight", qtype, hidden, hidden, rng)
         w.add_tensor(f"blk.{i}.ffn_norm.weight", norm)
-        w.add_tensor(f"blk.{i}.ffn_gate.weight", random_matrix(qtype, ffn, hidden, rng), raw_dtype=qtype)
-        w.add_tensor(f"blk.{i}.ffn_up.weight", random_matrix(qtype, ffn, hidden, rng), raw_dtype=qtype)
-        w.add_tensor(f"blk.{i}.ffn_down.weight", random_matrix(qtype, hidden, ffn, rng), raw_dtype=qtype)
+        add_matrix(w, f"blk.{i}.ffn_gate.weight", qtype, ffn, hidden, rng)
+        add_matrix(w, f"blk.{i}.ffn_up.weight", qtype, ffn, hidden, rng)
+        add_matrix(w, f"blk.{i}.ffn_down.weight", qtype, hidden, ffn, rng)
     w.add_tensor("output_norm.weight", norm)
     if not s["tied"]:
-        w.add_tensor("output.weight", random_matrix(qtype, s["vocab"], hidden, rng), raw_dtype=qtype)
+        add_matrix(w, "output.weight", qtype, s["vocab"], hidden, rng)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -85,7 +101,7 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), required=True)
     parser.add_argument("--type", default="Q4_0", help="GGML type of every matrix, e.g. Q4_0, Q4_K, Q8_0")
     args = parser.parse_args()
-    write_model(args.out, args.shape, GGMLQuantizationType[args.type])
+    write_model(args.out, SHAPES[args.shape], GGMLQuantizationType[args.type], f"synthetic-llama-{args.shape}-{args.type}")
 
 
 if __name__ == "__main__":

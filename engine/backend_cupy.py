@@ -11,6 +11,7 @@ looks for a GPU, so CPU machines never need CuPy.
 from __future__ import annotations
 
 import functools
+import gc
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -101,9 +102,10 @@ class CupyBackend:
         self._held: list[Any] = []
         self._max_k = 32
         # Decode-only buffers (reused by every replay of the captured graph, so never reallocated after it).
-        self._xq: Any = None
-        self._xds: Any = None
-        self._q8_of: tuple[int, int] | None = None  # (pointer, size) of the vector xq currently holds
+        # Two sets of int8 activations: an op can read one while it writes the quantized result into the other.
+        self._q8: list[K.Q8] = []
+        self._q8_of: tuple[int, int] | None = None  # (pointer, size) of the vector that _q8[_q8_set] holds
+        self._q8_set = 0
         self._decode_part: Any = None
         # Prompt-path and sampling scratch, grown as needed outside graphs.
         self._scratch: dict[str, Any] = {}
@@ -214,7 +216,9 @@ class CupyBackend:
         self._held.clear()
         self._scratch.clear()
         self._graphs.clear()
-        self._xq = self._xds = self._decode_part = None
+        self._q8 = []
+        self._decode_part = None
+        gc.collect()  # arrays kept alive only by reference cycles go back to the pool before it is emptied
         cupy.get_default_memory_pool().free_all_blocks()
         cupy.get_default_pinned_memory_pool().free_all_blocks()
 
@@ -227,31 +231,44 @@ class CupyBackend:
 
     @_on_stream
     def rms_norm(self, x: Any, weight: K.GpuWeight, eps: float, out: Any) -> None:
-        self._q8_of = None
-        K.rms_norm(x, weight.data, eps, out)
+        K.rms_norm(x, weight.data, eps, out, self._quantize_output(out))
 
     @_on_stream
     def add_rms_norm(self, x: Any, residual: Any, weight: K.GpuWeight, eps: float, out: Any) -> None:
-        self._q8_of = None
-        K.add_rms_norm(x, residual, weight.data, eps, out)
+        K.add_rms_norm(x, residual, weight.data, eps, out, self._quantize_output(out))
 
-    def _quantized_input(self, x: Any) -> tuple[Any, Any]:
-        """int8 blocks of the one-row x, computed once for the several products that read it (QKV, gate/up)."""
-        if self._xq is None:
-            self._xq = cupy.empty(self._max_k, cupy.int8)
-            self._xds = cupy.empty((self._max_k // 32, 2), cupy.float32)
+    def _q8_sets(self) -> list[K.Q8]:
+        if not self._q8:
+            self._q8 = [K.Q8.empty(self._max_k), K.Q8.empty(self._max_k)]
+        return self._q8
+
+    def _quantize_output(self, out: Any) -> K.Q8 | None:
+        """For a one-token output another decode product will read: the int8 set the producing kernel should
+        also write (the one not holding the current input), recorded as holding `out`. Otherwise None."""
+        if out.ndim != 2 or out.shape[0] != 1 or out.shape[1] % 32 or not out.flags.c_contiguous:
+            self._q8_of = None
+            return None
+        self._q8_set = 1 - self._q8_set
+        self._q8_of = (out.data.ptr, out.size)
+        return self._q8_sets()[self._q8_set]
+
+    def _quantized_input(self, x: Any) -> K.Q8:
+        """int8 groups of the one-row x: made by the kernel that wrote x, or quantized here once for the
+        several products that read it."""
         key = (x.data.ptr, x.size)
         if self._q8_of != key:
-            K.quantize_q8(x, self._xq, self._xds)
+            self._q8_set = 1 - self._q8_set
+            K.quantize_q8(x, self._q8_sets()[self._q8_set])
             self._q8_of = key
-        return self._xq, self._xds
+        return self._q8_sets()[self._q8_set]
 
     @_on_stream
     def linear(self, x: Any, weight: K.GpuWeight, out: Any, bias: K.GpuWeight | None = None) -> None:
         if x.shape[0] == 1:
-            xq, xds = self._quantized_input(x) if weight.quantized else (None, None)
-            K.matvec(weight, x, xq, xds, out)
+            q8 = self._quantized_input(x) if weight.quantized else None
+            K.matvec(weight, x, q8, out)
         else:
+            self._q8_of = None
             self._prompt_linear(x, weight, out)
         if bias is not None:
             out += bias.data
@@ -275,8 +292,12 @@ class CupyBackend:
         if act is None:
             raise EngineError(f"The activation {activation!r} is not supported on the GPU (silu, gelu_tanh).")
         if x.shape[0] == 1 and gate.qtype == up.qtype:
-            xq, xds = self._quantized_input(x) if gate.quantized else (None, None)
-            K.matvec_glu(gate, up, x, xq, xds, out, act)
+            if not gate.quantized:
+                K.matvec_glu(gate, up, x, None, out, act)
+                self._q8_of = None
+                return
+            q8 = self._quantized_input(x)
+            K.matvec_glu(gate, up, x, q8, out, act, self._quantize_output(out) if out.shape[1] % 32 == 0 else None)
             return
         self.linear(x, gate, out)
         self.linear(x, up, scratch)
@@ -291,7 +312,6 @@ class CupyBackend:
 
     @_on_stream
     def attention(self, q, cache: CupyKVCache, layer: int, start, out, scale: float, window: int = 0) -> None:
-        self._q8_of = None
         n, n_heads, hd = q.shape
         z, wpq = K.attention_splits(n)
         size = n * n_heads * z * wpq * (hd + 2)
@@ -301,7 +321,8 @@ class CupyBackend:
             part = self._decode_part
         else:
             part = self._buffer("attn_part", size, cupy.float32)
-        K.attention(q, cache.k[layer], cache.v[layer], start, out, scale, window, part)
+        q8 = self._quantize_output(out) if n == 1 and hd % 32 == 0 else None
+        K.attention(q, cache.k[layer], cache.v[layer], start, out, scale, window, part, q8)
 
     @_on_stream
     def sample(self, logits: Any, params: SamplingParams, recent_tokens: np.ndarray, uniform: float) -> int:

@@ -164,9 +164,11 @@ class LoadedModel:
         Safe to call twice."""
         with self._lock:
             if self._state is not None:
-                self._state.backend.close()
+                backend = self._state.backend
+                # Drop the model's arrays first, so closing the backend can hand their memory back to the driver.
                 self._state = None
                 self._all_logits = None
+                backend.close()
 
 
 def load_model(

@@ -51,39 +51,45 @@ def random_weight(qtype, m, k, rng):
 
 
 def q8_input(x):
-    q, d, _ = reference.quantize_q8(x)
-    return (q.reshape(-1, 32).astype(np.float64) * d.reshape(-1, 1)).reshape(x.shape)
+    q, q2, d, _ = reference.quantize_q8(x)
+    return reference.dequantize_q8(q, q2, d)
+
+
+def assert_q8_of(q8, values):
+    """q8 (a K.Q8) holds exactly reference.quantize_q8 of values (a host array)."""
+    q, q2, d, s = reference.quantize_q8(np.asarray(values, np.float32).reshape(1, -1))
+    n = q.size
+    assert np.array_equal(q8.xq[:n].get(), q.reshape(-1)) and np.array_equal(q8.xq2[:n].get(), q2.reshape(-1))
+    assert np.array_equal(q8.xds[: n // 32].get(), np.stack([d.reshape(-1), s.reshape(-1)], axis=1))
 
 
 def test_quantize_q8_is_bit_exact():
     rng = np.random.default_rng()
     x = (rng.standard_normal((3, 4096)) * rng.uniform(0.1, 10)).astype(np.float32)
     x[0, :32] = 0.0  # an all-zero group
-    xq, xds = cp.zeros(x.size, cp.int8), poisoned((x.size // 32, 2))
-    K.quantize_q8(cp.asarray(x), xq, xds)
-    q, d, s = reference.quantize_q8(x)
-    assert np.array_equal(xq.get(), q.reshape(-1))
-    assert np.array_equal(xds[:, 0].get(), d.reshape(-1))
-    assert np.array_equal(xds[:, 1].get(), s.reshape(-1))
+    q8 = K.Q8.empty(x.size)
+    q8.xds[...] = np.nan
+    K.quantize_q8(cp.asarray(x), q8)
+    assert_q8_of(q8, x)
 
 
-@pytest.mark.parametrize("rows_per_warp", [1, 2])
+@pytest.mark.parametrize("wpr", [1, 2, 4])
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
-def test_matvec(qtype, rows_per_warp):
+def test_matvec(qtype, wpr):
     rng = np.random.default_rng()
     m, k = 1003, 2048  # m not a multiple of the rows a block covers
     raw, w = random_weight(qtype, m, k, rng)
     x = rng.standard_normal(k).astype(np.float32)
     gw = K.upload_weight("w", qtype, (m, k), raw)
     xd = cp.asarray(x)
-    xq, xds = cp.empty(k, cp.int8), cp.empty((k // 32, 2), cp.float32)
-    K.quantize_q8(xd, xq, xds)
+    q8 = K.Q8.empty(k)
+    K.quantize_q8(xd, q8)
     out = poisoned(m)
     if gw.quantized:
-        K.matvec(gw, xd, xq, xds, out, rows_per_warp)
+        K.matvec(gw, xd, q8, out, wpr)
         expect = w.astype(np.float64) @ q8_input(x)
     else:
-        K.matvec(gw, xd, xq, xds, out)
+        K.matvec(gw, xd, None, out)
         expect = w.astype(np.float64) @ x
     assert rel(out.get(), expect) < 1e-5
 
@@ -92,19 +98,25 @@ def test_matvec(qtype, rows_per_warp):
 @pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_K, T.Q6_K, T.F16], ids=lambda t: t.name)
 def test_matvec_glu(qtype, act):
     rng = np.random.default_rng()
-    m, k = 517, 1024
+    m, k = 544, 1024  # a multiple of 32 for the variant that quantizes its output
     (rg, wg), (ru, wu) = random_weight(qtype, m, k, rng), random_weight(qtype, m, k, rng)
     x = rng.standard_normal(k).astype(np.float32)
     gate, up = K.upload_weight("g", qtype, (m, k), rg), K.upload_weight("u", qtype, (m, k), ru)
     xd = cp.asarray(x)
-    xq, xds = cp.empty(k, cp.int8), cp.empty((k // 32, 2), cp.float32)
-    K.quantize_q8(xd, xq, xds)
-    out = poisoned(m)
-    K.matvec_glu(gate, up, xd, xq, xds, out, act)
+    q8 = K.Q8.empty(k)
+    K.quantize_q8(xd, q8)
     xin = q8_input(x) if gate.quantized else x.astype(np.float64)
     g, u = wg.astype(np.float64) @ xin, wu.astype(np.float64) @ xin
-    a = g / (1 + np.exp(-g)) if act == K.ACT_SILU else 0.5 * g * (1 + np.tanh(0.7978845608028654 * (g + 0.044715 * g**3)))
+    with np.errstate(over="ignore"):
+        a = g / (1 + np.exp(-g)) if act == K.ACT_SILU else 0.5 * g * (1 + np.tanh(0.7978845608028654 * (g + 0.044715 * g**3)))
+    out = poisoned(m)
+    K.matvec_glu(gate, up, xd, q8 if gate.quantized else None, out, act)
     assert rel(out.get(), a * u) < 1e-5
+    if gate.quantized:  # the variant that also quantizes its output for the down projection
+        out2, q8_out = poisoned(m), K.Q8.empty(m)
+        K.matvec_glu(gate, up, xd, q8, out2, act, q8_out)
+        assert rel(out2.get(), a * u) < 1e-5
+        assert_q8_of(q8_out, out2.get())
 
 
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
@@ -170,6 +182,12 @@ def test_rms_norm_and_add_rms_norm(d):
     reference.add_rms_norm(x, r, w, 1e-5, expect)
     assert rel(res_d.get(), r) < 1e-6
     assert rel(out.get(), expect) < 1e-5
+    # One-row variants that also quantize their output for the next product.
+    one, q8 = poisoned((1, d)), K.Q8.empty(d)
+    K.rms_norm(cp.asarray(x[:1]), cp.asarray(w), 1e-5, one, q8)
+    assert_q8_of(q8, one.get())
+    K.add_rms_norm(cp.asarray(x[1:2]), cp.asarray(r[1:2]), cp.asarray(w), 1e-5, one, q8)
+    assert_q8_of(q8, one.get())
 
 
 def test_rms_norm_per_head_on_strided_view():
@@ -222,10 +240,13 @@ def test_attention(n, start, window, hd):
     out = poisoned((n, heads * hd))
     qd = cp.asarray(qkv)[:, : heads * hd].reshape(n, heads, hd)
     scale = 1 / np.sqrt(hd)
-    K.attention(qd, cp.asarray(kc), cp.asarray(vc), cp.asarray([start], cp.int32), out, scale, window, part)
+    q8 = K.Q8.empty(heads * hd) if n == 1 else None
+    K.attention(qd, cp.asarray(kc), cp.asarray(vc), cp.asarray([start], cp.int32), out, scale, window, part, q8)
     expect = np.empty((n, heads * hd), np.float32)
     reference.attention(q, kc.astype(np.float32), vc.astype(np.float32), start, expect, scale, window)
     assert rel(out.get(), expect) < 1e-5
+    if q8 is not None:
+        assert_q8_of(q8, out.get())
 
 
 def test_argmax_and_repeat_penalty():

@@ -30,7 +30,10 @@ TEXT = (
     "students on their way to the university in the city. Nobody in town expected that the evening would bring "
     "a storm strong enough to move the bridge, or that the teacher's lesson about rain would be remembered for "
     "years by everyone who heard it that morning. When the first clouds appeared, the fishermen checked their "
-    "ropes twice and the baker closed early."
+    "ropes twice and the baker closed early. The storm came just after dark. Rain hammered the roofs, the river "
+    "rose over the lower steps of the quay, and the wind tore a shutter from the school and carried it into the "
+    "square. By morning the bridge had shifted a full hand's width on its old stone piers, and the mayor stood "
+    "on the bank with his hat in his hands, counting the boats."
 )
 PROMPTS = [
     "The capital of France is Paris. The capital of Germany is",
@@ -107,7 +110,7 @@ def test_follow_up_reuses_the_cached_prefix(models):
     ids = gpu.tokenizer.encode(TEXT)[:120]
     gpu.prompt_logits(ids[:100])
     last, reused = gpu.prompt_logits(ids)
-    assert reused == 99
+    assert reused == 100
     full, _ = gpu.prompt_logits(ids, all_positions=True)
     assert np.argmax(last) == np.argmax(full[-1])
 

@@ -87,8 +87,11 @@ extern "C" __global__ void attention_partial(const float* __restrict__ q, long q
 }
 
 // One block per (query, head), one thread per dim: out = sum_s acc_s 2^(m_s - M) / sum_s l_s 2^(m_s - M).
+// For decode (one query, hd a multiple of 32) each warp also quantizes its 32 outputs for the output
+// projection (xq != nullptr), which saves a launch.
 extern "C" __global__ void attention_combine(const float* __restrict__ part, int n_heads, int hd, int n_splits,
-                                             float* __restrict__ out, long out_stride) {
+                                             float* __restrict__ out, long out_stride, signed char* xq,
+                                             signed char* xq2, float2* xds) {
     const int qi = blockIdx.x, head = blockIdx.y, d = threadIdx.x;
     const float* p = part + ((long)qi * n_heads + head) * n_splits * (hd + 2);
     float mx = NEG_INF;
@@ -102,4 +105,5 @@ extern "C" __global__ void attention_combine(const float* __restrict__ part, int
         if (d < hd) num += p[s * (hd + 2) + d] * f;
     }
     if (d < hd) out[qi * out_stride + (long)head * hd + d] = num / den;
+    if (xq != nullptr) quantize_group(num / den, (long)head * hd / 32 + threadIdx.x / 32, xq, xq2, xds);
 }

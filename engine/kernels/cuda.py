@@ -83,27 +83,67 @@ def _blocks(n: int, per_block: int) -> int:
 
 # ---- matrix-vector (decode) --------------------------------------------------------------------------
 
-def quantize_q8(x: Any, xq: Any, xds: Any) -> None:
-    """x (n, k) float32 contiguous -> xq (n*k,) int8, xds (n*k/32, 2) float32 (d, s)."""
+WARP_SLOTS = 132 * 64  # resident warps on an H200 (132 SMs x 64); below this, split rows over more warps
+
+
+@dataclass
+class Q8:
+    """One activation row quantized to two-level int8 groups (see quantize_group in quant_blocks.cuh)."""
+
+    xq: Any  # (k,) int8
+    xq2: Any  # (k,) int8
+    xds: Any  # (k / 32, 2) float32: d and s of each group
+
+    @classmethod
+    def empty(cls, k: int) -> "Q8":
+        return cls(cupy.empty(k, cupy.int8), cupy.empty(k, cupy.int8), cupy.empty((k // 32, 2), cupy.float32))
+
+    def args(self) -> tuple[Any, Any, Any]:
+        return self.xq, self.xq2, self.xds
+
+
+_NO_Q8 = (np.uintp(0), np.uintp(0), np.uintp(0))
+
+
+def q8_args(q8: Q8 | None) -> tuple[Any, ...]:
+    return q8.args() if q8 is not None else _NO_Q8
+
+
+def quantize_q8(x: Any, q8: Q8) -> None:
+    """x (n, k) float32 contiguous -> q8 holding its n * k / 32 groups."""
     groups = x.size // 32
-    kernel("matvec", "quantize_q8")((_blocks(groups, 8),), (256,), (x, xq, xds, i32(groups)))
+    kernel("matvec", "quantize_q8")((_blocks(groups, 8),), (256,), (x, *q8.args(), i32(groups)))
 
 
-def matvec(w: GpuWeight, x: Any, xq: Any, xds: Any, out: Any, rows_per_warp: int = 1) -> None:
-    """out (m,) = w (m, k) . x (k,); quantized weights read xq/xds (quantize_q8 of x), float ones read x."""
+def warps_per_row(m: int, k: int) -> int:
+    """Split each row over 2 or 4 warps while that adds warps the GPU can hold and each keeps a group a lane."""
+    wpr, groups = 1, k // 32
+    while wpr < 4 and m * wpr < WARP_SLOTS and groups // (64 * wpr) >= 1:
+        wpr *= 2
+    return wpr
+
+
+def matvec(w: GpuWeight, x: Any, q8: Q8 | None, out: Any, wpr: int | None = None) -> None:
+    """out (m,) = w (m, k) . x (k,); quantized weights read q8 (quantize_q8 of x), float ones read x."""
     m, k = w.shape
     if w.quantized:
-        fn = kernel("matvec", f"matvec_{w.suffix}_r{rows_per_warp}")
-        fn((_blocks(m, WARPS * rows_per_warp),), (32 * WARPS,), (*w.args(), xq, xds, out, i32(m), i32(k)))
+        wpr = wpr or warps_per_row(m, k)
+        fn = kernel("matvec", f"matvec_{w.suffix}_w{wpr}")
+        fn((_blocks(m * wpr, WARPS),), (32 * WARPS,), (*w.args(), *q8.args(), out, i32(m), i32(k)))
     else:
         kernel("matvec", f"matvec_{w.suffix}")((_blocks(m, WARPS),), (32 * WARPS,), (w.data, x, out, i32(m), i32(k)))
 
 
-def matvec_glu(gate: GpuWeight, up: GpuWeight, x: Any, xq: Any, xds: Any, out: Any, act: int) -> None:
-    """out (f,) = act(gate . x) * (up . x), both matrices read in one pass."""
+def matvec_glu(gate: GpuWeight, up: GpuWeight, x: Any, q8: Q8 | None, out: Any, act: int, q8_out: Q8 | None = None) -> None:
+    """out (f,) = act(gate . x) * (up . x), both matrices read in one pass; with q8_out (quantized weights,
+    f a multiple of 32) the result is also quantized there for the next product."""
     m, k = gate.shape
+    if gate.quantized and q8_out is not None:
+        fn = kernel("matvec", f"matvec_glu_q8_{gate.suffix}")
+        fn((m // 32,), (512,), (*gate.args(), *up.args(), *q8.args(), out, i32(k), i32(act), *q8_out.args()))
+        return
     fn = kernel("matvec", f"matvec_glu_{gate.suffix}")
-    src = (xq, xds) if gate.quantized else (x,)
+    src = q8.args() if gate.quantized else (x,)
     fn((_blocks(m, WARPS),), (32 * WARPS,), (*gate.args(), *up.args(), *src, out, i32(m), i32(k), i32(act)))
 
 
@@ -170,21 +210,22 @@ def _norm_threads(d: int) -> int:
     return min(1024, max(32, 1 << (d - 1).bit_length())) if d < 1024 else 1024
 
 
-def rms_norm(x: Any, w: Any, eps: float, out: Any) -> None:
-    """Over the last axis of x (..., d); x and out may be strided views with contiguous rows."""
+def rms_norm(x: Any, w: Any, eps: float, out: Any, q8: Q8 | None = None) -> None:
+    """Over the last axis of x (..., d); x and out may be strided views with contiguous rows. With q8 (out
+    contiguous, d a multiple of 32) out is also quantized there."""
     d = x.shape[-1]
     inner = x.shape[-2] if x.ndim == 3 else 1
     rows = x.size // d
     x_stride = x.strides[0] // 4
     o_stride = out.strides[0] // 4
     kernel("norms", "rms_norm")(
-        (rows,), (_norm_threads(d),), (x, w, out, i32(d), f32(eps), i32(inner), i64(x_stride), i64(o_stride))
+        (rows,), (_norm_threads(d),), (x, w, out, i32(d), f32(eps), i32(inner), i64(x_stride), i64(o_stride), *q8_args(q8))
     )
 
 
-def add_rms_norm(x: Any, residual: Any, w: Any, eps: float, out: Any) -> None:
+def add_rms_norm(x: Any, residual: Any, w: Any, eps: float, out: Any, q8: Q8 | None = None) -> None:
     n, d = x.shape
-    kernel("norms", "add_rms_norm")((n,), (_norm_threads(d),), (x, residual, w, out, i32(d), f32(eps)))
+    kernel("norms", "add_rms_norm")((n,), (_norm_threads(d),), (x, residual, w, out, i32(d), f32(eps), *q8_args(q8)))
 
 
 def rope_store_kv(q, k, v, cos, sin, neox: bool, k_cache, v_cache, start) -> None:
@@ -204,8 +245,9 @@ def attention_splits(n: int) -> tuple[int, int]:
     return (ATTN_Z_SPLITS, 4) if n == 1 else (1, 1)
 
 
-def attention(q, k_cache, v_cache, start, out, scale: float, window: int, part) -> None:
-    """q (n, H, hd) strided view; out (n, H*hd); part: float32 scratch of n*H*splits*(hd+2)."""
+def attention(q, k_cache, v_cache, start, out, scale: float, window: int, part, q8: Q8 | None = None) -> None:
+    """q (n, H, hd) strided view; out (n, H*hd); part: float32 scratch of n*H*splits*(hd+2). With q8 (one
+    query, hd a multiple of 32) out is also quantized there for the output projection."""
     n, n_heads, hd = q.shape
     n_kv, max_tokens = k_cache.shape[0], k_cache.shape[1]
     z, wpq = attention_splits(n)
@@ -216,7 +258,7 @@ def attention(q, k_cache, v_cache, start, out, scale: float, window: int, part) 
          i32(n), i32(window), f32(scale * 1.4426950408889634), i32(wpq), part),
     )
     kernel("attention", "attention_combine")(
-        (n, n_heads), (32 * _blocks(hd, 32),), (part, i32(n_heads), i32(hd), i32(z * wpq), out, i64(out.strides[0] // 4))
+        (n, n_heads), (32 * _blocks(hd, 32),), (part, i32(n_heads), i32(hd), i32(z * wpq), out, i64(out.strides[0] // 4), *q8_args(q8))
     )
 
 

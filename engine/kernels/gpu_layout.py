@@ -82,12 +82,17 @@ def from_planar(buf: np.ndarray, layout: PlanarLayout, qtype: T) -> np.ndarray:
     return blocks.reshape(-1)
 
 
-def random_blocks(qtype: T, n_blocks: int, rng: np.random.Generator) -> np.ndarray:
-    """GGUF bytes of n_blocks random blocks whose fp16 scales (the D fields) are finite and small, so every
-    value they decode to is finite: inputs for kernel tests and for synthetic speed-test models."""
+def random_blocks(qtype: T, n_blocks: int, rng: np.random.Generator, typical: float = 0.02) -> np.ndarray:
+    """GGUF bytes of n_blocks random blocks whose fp16 scales (the D fields) are set so the decoded values have
+    a standard deviation near `typical`: inputs for kernel tests and for synthetic speed-test models (random
+    networks with much larger weights overflow float16 activations)."""
     _, block_bytes = quants.block_layout(qtype)
     blocks = rng.integers(0, 256, size=(n_blocks, block_bytes), dtype=np.uint8)
     lo, hi = PLANES[qtype]["d"]
-    scales = (rng.standard_normal((n_blocks, (hi - lo) // 2)) * 0.01).astype(np.float16)
-    blocks[:, lo:hi] = scales.view(np.uint8)
+    blocks[:, lo:hi] = rng.standard_normal((n_blocks, (hi - lo) // 2)).astype(np.float16).view(np.uint8)
+    sample = blocks[: min(n_blocks, 256)]
+    spread = float(np.std(quants.dequantize(sample.reshape(-1), qtype, (sample.size // block_bytes * quants.block_layout(qtype)[0],))))
+    # Every decoded value is linear in the D fields (d, and m or dmin where present).
+    scales = blocks[:, lo:hi].copy().view(np.float16).astype(np.float32) * np.float32(typical / spread)
+    blocks[:, lo:hi] = scales.astype(np.float16).view(np.uint8)
     return blocks.reshape(-1)

@@ -7,99 +7,137 @@
 // The gate/up variant computes two matrices against the same x and writes silu(gate) * up (SwiGLU) or
 // gelu_tanh(gate) * up, so the FFN hidden vector is written once.
 
-// One warp per group of 32 activations: int8 values xq = rint(x * 127 / amax), scale dx = amax / 127 and
-// xs = dx * sum(xq). Matches reference.quantize_q8 bit for bit (IEEE division and rounding, no fast math).
+// Activations to int8 blocks (the two-level scheme of quantize_group in quant_blocks.cuh), one warp a group.
 extern "C" __global__ void quantize_q8(const float* __restrict__ x, signed char* __restrict__ xq,
-                                       float2* __restrict__ xds, int n_groups) {
+                                       signed char* __restrict__ xq2, float2* __restrict__ xds, int n_groups) {
     const int g = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-    const int lane = threadIdx.x & 31;
     if (g >= n_groups) return;
-    const float v = x[(long)g * 32 + lane];
-    const float amax = warp_max(fabsf(v));
-    const float d = amax / 127.0f;
-    const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
-    const int q = (int)rintf(v * id);
-    xq[(long)g * 32 + lane] = (signed char)q;
-    const float s = warp_sum((float)q);
-    if (lane == 0) xds[g] = make_float2(d, d * s);
+    quantize_group(x[(long)g * 32 + (threadIdx.x & 31)], g, xq, xq2, xds);
 }
 
-__device__ __forceinline__ float group_dot(const int (&w)[8], const int4& x0, const int4& x1, const float (&sc)[2],
-                                           float mn, float2 ds) {
-    int lo = dp4a(w[0], x0.x, 0);
-    lo = dp4a(w[1], x0.y, lo);
-    lo = dp4a(w[2], x0.z, lo);
-    lo = dp4a(w[3], x0.w, lo);
-    int hi = dp4a(w[4], x1.x, 0);
-    hi = dp4a(w[5], x1.y, hi);
-    hi = dp4a(w[6], x1.z, hi);
-    hi = dp4a(w[7], x1.w, hi);
-    return ds.x * (sc[0] * (float)lo + sc[1] * (float)hi) + mn * ds.y;
+__device__ __forceinline__ int dot8(const int (&w)[8], int t0, const int4& x) {
+    int acc = dp4a(w[t0], x.x, 0);
+    acc = dp4a(w[t0 + 1], x.y, acc);
+    acc = dp4a(w[t0 + 2], x.z, acc);
+    return dp4a(w[t0 + 3], x.w, acc);
 }
 
-// NW: 1 for a plain product, 2 for the fused gate/up pair. act: 0 silu, 1 gelu_tanh.
-template <class B, int R, int NW>
-__device__ __forceinline__ void matvec_q(const Planes* w, const signed char* __restrict__ xq,
-                                         const float2* __restrict__ xds, float* __restrict__ out, int m, int k,
-                                         int act) {
-    const int warp = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-    const int lane = threadIdx.x & 31;
-    const int row0 = warp * R;
-    if (row0 >= m) return;
-    float acc[NW][R];
-#pragma unroll
-    for (int j = 0; j < NW; ++j)
-#pragma unroll
-        for (int r = 0; r < R; ++r) acc[j][r] = 0.0f;
+// sum_e w_e x_e for one group, x given as its two quantization levels (see quantize_q8).
+__device__ __forceinline__ float group_dot(const int (&w)[8], const int4 (&x)[4], const float (&sc)[2], float mn,
+                                           float2 ds) {
+    const int lo = 254 * dot8(w, 0, x[0]) + dot8(w, 0, x[2]);
+    const int hi = 254 * dot8(w, 4, x[1]) + dot8(w, 4, x[3]);
+    return ds.x * (1.0f / 254.0f) * (sc[0] * (float)lo + sc[1] * (float)hi) + mn * ds.y;
+}
+
+// Sum of row `row` of NW matrices times x over the groups g = first, first + step, ... (one lane's share).
+template <class B, int NW>
+__device__ __forceinline__ void row_dots(const Planes* w, int row, int k, int first, int step,
+                                         const signed char* __restrict__ xq, const signed char* __restrict__ xq2,
+                                         const float2* __restrict__ xds, float (&acc)[NW]) {
     const int n_groups = k / 32;
 #pragma unroll 2
-    for (int g = lane; g < n_groups; g += 32) {
-        const int4 x0 = __ldg(reinterpret_cast<const int4*>(xq + 32 * (long)g));
-        const int4 x1 = __ldg(reinterpret_cast<const int4*>(xq + 32 * (long)g + 16));
+    for (int g = first; g < n_groups; g += step) {
+        const int4 xv[4] = {__ldg(reinterpret_cast<const int4*>(xq + 32 * (long)g)),
+                            __ldg(reinterpret_cast<const int4*>(xq + 32 * (long)g + 16)),
+                            __ldg(reinterpret_cast<const int4*>(xq2 + 32 * (long)g)),
+                            __ldg(reinterpret_cast<const int4*>(xq2 + 32 * (long)g + 16))};
         const float2 ds = __ldg(xds + g);
 #pragma unroll
-        for (int r = 0; r < R; ++r) {
-            if (row0 + r < m) {
-#pragma unroll
-                for (int j = 0; j < NW; ++j) {
-                    int q[8];
-                    float sc[2], mn;
-                    decode_group<B>(w[j], row0 + r, k, g, q, sc, mn);
-                    acc[j][r] += group_dot(q, x0, x1, sc, mn, ds);
-                }
-            }
+        for (int j = 0; j < NW; ++j) {
+            int q[8];
+            float sc[2], mn;
+            decode_group<B>(w[j], row, k, g, q, sc, mn);
+            acc[j] += group_dot(q, xv, sc, mn, ds);
         }
     }
+}
+
+// A block of 4 warps covers 4 / WPR rows; the WPR warps of a row split its groups (more loads in flight for
+// long rows) and add up through shared memory. NW = 2 is the fused gate/up pair: out = act(gate.x) * (up.x).
+template <class B, int NW, int WPR>
+__device__ __forceinline__ void matvec_q(const Planes* w, const signed char* xq, const signed char* xq2,
+                                         const float2* xds, float* __restrict__ out, int m, int k, int act) {
+    __shared__ float part[NW][4];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+    const int row = blockIdx.x * (4 / WPR) + warp / WPR;
+    float acc[NW];
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-        float a = warp_sum(acc[0][r]);
-        if (NW == 2) {
-            const float u = warp_sum(acc[NW - 1][r]);
-            a = activate(a, act) * u;
+    for (int j = 0; j < NW; ++j) acc[j] = 0.0f;
+    if (row < m) row_dots<B, NW>(w, row, k, (warp % WPR) * 32 + lane, 32 * WPR, xq, xq2, xds, acc);
+#pragma unroll
+    for (int j = 0; j < NW; ++j) acc[j] = warp_sum(acc[j]);
+    if (WPR > 1) {
+        if (lane == 0)
+#pragma unroll
+            for (int j = 0; j < NW; ++j) part[j][warp] = acc[j];
+        __syncthreads();
+#pragma unroll
+        for (int j = 0; j < NW; ++j) {
+            float total = 0.0f;
+            for (int s = 0; s < WPR; ++s) total += part[j][warp - warp % WPR + s];
+            acc[j] = total;
         }
-        if (lane == 0 && row0 + r < m) out[row0 + r] = a;
+    }
+    if (lane == 0 && warp % WPR == 0 && row < m) out[row] = NW == 2 ? activate(acc[0], act) * acc[NW - 1] : acc[0];
+}
+
+// Fused gate/up for decode that also quantizes its output for the down projection: a block of 16 warps makes 32
+// consecutive outputs (two rows a warp), which are exactly one int8 group. m must be a multiple of 32.
+template <class B>
+__device__ __forceinline__ void matvec_glu_q8(const Planes* w, const signed char* xq, const signed char* xq2,
+                                              const float2* xds, float* __restrict__ out, int k, int act,
+                                              signed char* oq, signed char* oq2, float2* ods) {
+    __shared__ float vals[32];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+    for (int r = 0; r < 2; ++r) {
+        const int local = 2 * warp + r;
+        float acc[2] = {0.0f, 0.0f};
+        row_dots<B, 2>(w, blockIdx.x * 32 + local, k, lane, 32, xq, xq2, xds, acc);
+        const float g = warp_sum(acc[0]), u = warp_sum(acc[1]);
+        if (lane == 0) vals[local] = activate(g, act) * u;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        const float v = vals[lane];
+        out[blockIdx.x * 32 + lane] = v;
+        quantize_group(v, blockIdx.x, oq, oq2, ods);
     }
 }
 
 #define MATVEC_Q(name, B)                                                                                      \
-    extern "C" __global__ void matvec_##name##_r1(const u8* q, const u8* h, const u8* s, const u8* d,        \
-                                                  const signed char* xq, const float2* xds, float* out, int m, \
-                                                  int k) {                                                     \
+    extern "C" __global__ void matvec_##name##_w1(const u8* q, const u8* h, const u8* s, const u8* d,        \
+                                                  const signed char* xq, const signed char* xq2,             \
+                                                  const float2* xds, float* out, int m, int k) {             \
         const Planes w[1] = {{q, h, s, d}};                                                                    \
-        matvec_q<B, 1, 1>(w, xq, xds, out, m, k, 0);                                                           \
+        matvec_q<B, 1, 1>(w, xq, xq2, xds, out, m, k, 0);                                                      \
     }                                                                                                          \
-    extern "C" __global__ void matvec_##name##_r2(const u8* q, const u8* h, const u8* s, const u8* d,        \
-                                                  const signed char* xq, const float2* xds, float* out, int m, \
-                                                  int k) {                                                     \
+    extern "C" __global__ void matvec_##name##_w2(const u8* q, const u8* h, const u8* s, const u8* d,        \
+                                                  const signed char* xq, const signed char* xq2,             \
+                                                  const float2* xds, float* out, int m, int k) {             \
         const Planes w[1] = {{q, h, s, d}};                                                                    \
-        matvec_q<B, 2, 1>(w, xq, xds, out, m, k, 0);                                                           \
+        matvec_q<B, 1, 2>(w, xq, xq2, xds, out, m, k, 0);                                                      \
+    }                                                                                                          \
+    extern "C" __global__ void matvec_##name##_w4(const u8* q, const u8* h, const u8* s, const u8* d,        \
+                                                  const signed char* xq, const signed char* xq2,             \
+                                                  const float2* xds, float* out, int m, int k) {             \
+        const Planes w[1] = {{q, h, s, d}};                                                                    \
+        matvec_q<B, 1, 4>(w, xq, xq2, xds, out, m, k, 0);                                                      \
     }                                                                                                          \
     extern "C" __global__ void matvec_glu_##name(const u8* q, const u8* h, const u8* s, const u8* d,         \
                                                  const u8* q2, const u8* h2, const u8* s2, const u8* d2,      \
-                                                 const signed char* xq, const float2* xds, float* out, int m,  \
-                                                 int k, int act) {                                             \
+                                                 const signed char* xq, const signed char* xq2,              \
+                                                 const float2* xds, float* out, int m, int k, int act) {      \
         const Planes w[2] = {{q, h, s, d}, {q2, h2, s2, d2}};                                                  \
-        matvec_q<B, 1, 2>(w, xq, xds, out, m, k, act);                                                         \
+        matvec_q<B, 2, 1>(w, xq, xq2, xds, out, m, k, act);                                                    \
+    }                                                                                                          \
+    extern "C" __global__ void __launch_bounds__(512) matvec_glu_q8_##name(const u8* q, const u8* h, const u8* s, const u8* d,      \
+                                                    const u8* q2, const u8* h2, const u8* s2, const u8* d2,   \
+                                                    const signed char* xq, const signed char* xq2,           \
+                                                    const float2* xds, float* out, int k, int act,            \
+                                                    signed char* oq, signed char* oq2, float2* ods) {         \
+        const Planes w[2] = {{q, h, s, d}, {q2, h2, s2, d2}};                                                  \
+        matvec_glu_q8<B>(w, xq, xq2, xds, out, k, act, oq, oq2, ods);                                          \
     }
 FOR_EACH_QUANT(MATVEC_Q)
 

@@ -293,3 +293,22 @@ __device__ __forceinline__ float act_gelu_tanh(float g) {
 __device__ __forceinline__ float activate(float g, int act) { return act == 0 ? act_silu(g) : act_gelu_tanh(g); }
 
 #define NEG_INF __int_as_float(0xff800000)
+
+// Two-level int8 quantization of one group of 32 activations, value v in lane (threadIdx.x & 31), group g:
+//   q = rint(v * 127 / amax), d = amax / 127, then the remainder r = v - q d as q2 = rint(r * 254 / d), so
+//   v ~= d * (q + q2 / 254) within d / 508 (1.5e-5 of amax), and s = d * (254 sum(q) + sum(q2)) / 254.
+// Matches reference.quantize_q8 bit for bit (IEEE division and rounding, no contraction into FMA).
+__device__ __forceinline__ void quantize_group(float v, long g, signed char* xq, signed char* xq2, float2* xds) {
+    const int lane = threadIdx.x & 31;
+    const float amax = warp_max(fabsf(v));
+    const float d = amax / 127.0f;
+    const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+    const float q = rintf(__fmul_rn(v, id));
+    const float r = __fsub_rn(v, __fmul_rn(q, d));
+    const float id2 = amax > 0.0f ? 254.0f / d : 0.0f;
+    const float q2 = fminf(127.0f, fmaxf(-127.0f, rintf(__fmul_rn(r, id2))));
+    xq[g * 32 + lane] = (signed char)(int)q;
+    xq2[g * 32 + lane] = (signed char)(int)q2;
+    const int total = 254 * (int)warp_sum(q) + (int)warp_sum(q2);
+    if (lane == 0) xds[g] = make_float2(d, __fmul_rn(d, (float)total) / 254.0f);
+}

@@ -209,23 +209,35 @@ def sample(logits: np.ndarray, params: SamplingParams, recent_tokens: np.ndarray
     return int(order[min(index, probs.size - 1)])
 
 
-def quantize_q8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The activation quantization in front of the GPU's int8 matrix-vector products: per group of 32 values,
-    q = rint(x * (127 / amax)) as int8, d = amax / 127 and s = d * sum(q), all in float32 as the kernel does.
-    x: (..., k) float32 with k a multiple of 32 -> q (..., k) int8, d and s (..., k / 32) float32."""
+def quantize_q8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The activation quantization in front of the GPU's int8 matrix-vector products, in two levels: per group
+    of 32 values q = rint(x * (127 / amax)), d = amax / 127, then the remainder r = x - q d as
+    q2 = rint(r * (254 / d)), so x ~= d (q + q2 / 254) within d / 508; s = d (254 sum(q) + sum(q2)) / 254.
+    All in float32 as the kernel does. x: (..., k) float32, k a multiple of 32 -> q, q2 (..., k) int8 and
+    d, s (..., k / 32) float32."""
     groups = x.reshape(-1, 32).astype(np.float32, copy=False)
     amax = np.abs(groups).max(axis=1)
     d = amax / np.float32(127)
     with np.errstate(divide="ignore"):
         inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
-    q = np.rint(groups * inv[:, None]).astype(np.int8)
-    s = d * q.sum(axis=1, dtype=np.int32).astype(np.float32)
+        inv2 = np.where(amax > 0, np.float32(254) / d, np.float32(0)).astype(np.float32)
+    q = np.rint(groups * inv[:, None])
+    rest = groups - q * d[:, None]
+    q2 = np.clip(np.rint(rest * inv2[:, None]), -127, 127)
+    total = 254 * q.sum(axis=1, dtype=np.int32) + q2.sum(axis=1, dtype=np.int32)
+    s = d * total.astype(np.float32) / np.float32(254)
     shape = x.shape[:-1] + (x.shape[-1] // 32,)
-    return q.reshape(x.shape), d.reshape(shape), s.reshape(shape)
+    return (q.astype(np.int8).reshape(x.shape), q2.astype(np.int8).reshape(x.shape), d.reshape(shape),
+            s.reshape(shape))
+
+
+def dequantize_q8(q: np.ndarray, q2: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """The activations quantize_q8's output stands for, in float64: d (q + q2 / 254) per group."""
+    groups = q.reshape(-1, 32).astype(np.float64) + q2.reshape(-1, 32).astype(np.float64) / 254
+    return (groups * d.reshape(-1, 1).astype(np.float64)).reshape(q.shape)
 
 
 def linear_q8(x: np.ndarray, weight: np.ndarray, out: np.ndarray) -> None:
     """What the GPU's decode matrix-vector product computes: `linear` on x after quantize_q8 (weight float32)."""
-    q, d, _ = quantize_q8(x)
-    xq = (q.reshape(-1, 32).astype(np.float32) * d.reshape(-1, 1)).reshape(x.shape)
-    np.matmul(xq, weight.T, out=out)
+    q, q2, d, _ = quantize_q8(x)
+    np.matmul(dequantize_q8(q, q2, d).astype(np.float32), weight.T, out=out)

@@ -59,7 +59,8 @@ extern "C" __global__ void argmax(const float* __restrict__ v, int n, int* __res
     int bi;
     local_best(v, n, bv, bi);
     block_best(bv, bi, sv, si);
-    if (threadIdx.x == 0) out_id[0] = bi;
+    // All-NaN logits leave no candidate; answer id 0 rather than an id outside the vocabulary.
+    if (threadIdx.x == 0) out_id[0] = bi == 0x7FFFFFFF ? 0 : bi;
 }
 
 // One block: the k best entries of v in order. v is consumed (taken entries become -inf); only the thread
@@ -75,7 +76,7 @@ extern "C" __global__ void topk(float* __restrict__ v, int n, int k, float* __re
         float bv = mv;
         int bi = mi;
         block_best(bv, bi, sv, si);
-        if (threadIdx.x == 0) { out_v[r] = bv; out_id[r] = bi; }
+        if (threadIdx.x == 0) { out_v[r] = bv; out_id[r] = bi == 0x7FFFFFFF ? 0 : bi; }
         if (bi != 0x7FFFFFFF && bi % blockDim.x == threadIdx.x) {
             v[bi] = NEG_INF;
             local_best(v, n, mv, mi);
