@@ -39,7 +39,7 @@ def _build(arch: str):
 
     if arch == "qwen2":
         return tf.Qwen2ForCausalLM(tf.Qwen2Config(**_small(rms_norm_eps=1e-6)))
-    if arch == "qwen3":
+    if arch in ("qwen3", "qwen3-f16"):
         return tf.Qwen3ForCausalLM(tf.Qwen3Config(**_small(rms_norm_eps=1e-6, tie_word_embeddings=True)))
     if arch == "llama":
         return tf.LlamaForCausalLM(tf.LlamaConfig(**_small(rms_norm_eps=1e-5)))
@@ -75,8 +75,18 @@ def _randomize_norms(model):
                 p.add_(torch.randn_like(p) * 0.3)
 
 
-ARCHS = ["llama", "llama3", "qwen2", "qwen3", "qwen3moe", "gemma3"]
-GGUF_ARCH = {"llama3": "llama"}
+def _round_matrices_to_f16(model):
+    # The F16 file then holds exactly the reference's weights, so the comparison stays exact.
+    import torch
+
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.copy_(p.half().float())
+
+
+ARCHS = ["llama", "llama3", "qwen2", "qwen3", "qwen3-f16", "qwen3moe", "gemma3"]
+GGUF_ARCH = {"llama3": "llama", "qwen3-f16": "qwen3"}
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -88,7 +98,10 @@ def pair(request, tmp_path_factory, smollm2_gguf):
     arch = request.param
     hf = _build(arch).eval()
     _randomize_norms(hf)
-    path = write_gguf(hf, GGUF_ARCH.get(arch, arch), tmp_path_factory.mktemp(arch) / f"tiny-{arch}.gguf", smollm2_gguf)
+    f16 = arch.endswith("-f16")
+    if f16:
+        _round_matrices_to_f16(hf)
+    path = write_gguf(hf, GGUF_ARCH.get(arch, arch), tmp_path_factory.mktemp(arch) / f"tiny-{arch}.gguf", smollm2_gguf, f16=f16)
     ours = load_model(path, device="cpu", context_length=256)
     yield arch, hf, ours
     ours.close()
@@ -113,6 +126,7 @@ def test_logits_match_transformers(pair, prompt):
     mine, _ = ours.prompt_logits(ids, all_positions=True)
     theirs = _hf_logits(hf, ids)
     assert mine.shape == theirs.shape == (len(ids), VOCAB)
+    assert ("F16" in ours.info.tensor_types) == arch.endswith("-f16")
     error = _relative_error(mine, theirs)
     print(f"{arch}: max |diff| / logit range = {error:.2e}")
     assert error < 1e-3
