@@ -7,7 +7,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p /tmp/strata "$OUT"
 for part in "$@"; do
   case $part in
     tests) python3 -m pytest -q -p no:cacheprovider --tb=short -rf tests/test_gpu_layout.py tests/test_gpu_kernels.py tests/test_gpu_backend.py 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
-    kernels) python3 bench/gpu_kernels.py prompt 2>&1 | tee "$OUT/kernels.jsonl" ;;
+    kernels) python3 bench/gpu_kernels.py matvec 2>&1 | tee "$OUT/kernels.jsonl" ;;
     synthetic)
       for spec in 1.2b:Q4_0 8b:Q4_0 8b:Q4_K; do
         f=/tmp/strata/synthetic-${spec/:/-}.gguf
