@@ -8,13 +8,15 @@ says which, and what is estimated.
 from __future__ import annotations
 
 import json
+import os
 from functools import lru_cache
 from importlib import resources
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, Field, model_validator
 
-from setup_logic.errors import UnknownModelError
+from setup_logic.errors import SetupError, UnknownModelError
 
 Goal = Literal["code", "chat"]
 
@@ -118,25 +120,45 @@ class CatalogModel(BaseModel):
         return self.n_experts is not None
 
 
-@lru_cache(maxsize=1)
-def _load() -> tuple[CatalogModel, ...]:
+EXTRA_CATALOG_ENV = "STRATA_EXTRA_CATALOG"
+
+
+def _parse(text: str, where: str) -> list[CatalogModel]:
+    try:
+        return [CatalogModel.model_validate(entry) for entry in json.loads(text)["models"]]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise SetupError(f"The catalog {where} could not be read ({exc}); fix it or unset {EXTRA_CATALOG_ENV}.") from None
+
+
+@lru_cache(maxsize=4)
+def _load(extra: str | None) -> tuple[CatalogModel, ...]:
     text = resources.files("setup_logic").joinpath("catalog.json").read_text(encoding="utf-8")
-    models = tuple(CatalogModel.model_validate(entry) for entry in json.loads(text)["models"])
+    models = _parse(text, "catalog.json")
+    if extra:
+        # A person's own models (or a test's), in the same format, added after the built-in ones.
+        try:
+            models += _parse(Path(extra).read_text(encoding="utf-8"), extra)
+        except OSError as exc:
+            raise SetupError(f"The catalog {extra} named by {EXTRA_CATALOG_ENV} cannot be read ({exc.strerror}).") from None
     ids = [m.id for m in models]
     duplicates = sorted({i for i in ids if ids.count(i) > 1})
     if duplicates:
-        raise ValueError(f"catalog.json lists these ids twice: {', '.join(duplicates)}")
-    return models
+        raise SetupError(f"The catalog lists these ids twice: {', '.join(duplicates)}; rename them in {extra or 'catalog.json'}.")
+    return tuple(models)
+
+
+def _models() -> tuple[CatalogModel, ...]:
+    return _load(os.environ.get(EXTRA_CATALOG_ENV) or None)
 
 
 def load_catalog() -> list[CatalogModel]:
-    """Every model in the catalog, as fresh copies the caller may change."""
-    return [m.model_copy(deep=True) for m in _load()]
+    """Every model in the catalog (plus those of STRATA_EXTRA_CATALOG), as fresh copies the caller may change."""
+    return [m.model_copy(deep=True) for m in _models()]
 
 
 def get_model(model_id: str) -> CatalogModel:
-    for model in _load():
+    for model in _models():
         if model.id == model_id:
             return model.model_copy(deep=True)
-    known = ", ".join(m.id for m in _load())
+    known = ", ".join(m.id for m in _models())
     raise UnknownModelError(f"There is no model called '{model_id}' in the catalog; use one of: {known}.")

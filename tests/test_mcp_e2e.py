@@ -2,16 +2,9 @@
 
 from __future__ import annotations
 
-import os
-import shutil
-import sys
-from contextlib import asynccontextmanager
-from pathlib import Path
-
 import anyio
 import pytest
-from mcp import ClientSession
-from mcp.client.stdio import StdioServerParameters, stdio_client
+from mcp_support import call, call_error, connect
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
@@ -21,38 +14,6 @@ TOOLS = {"check_pc", "choose_model", "install", "start", "chat", "status", "stop
 @pytest.fixture
 def anyio_backend():
     return "asyncio"
-
-
-def server_command() -> str:
-    found = shutil.which("strata-mcp", path=str(Path(sys.executable).parent)) or shutil.which("strata-mcp")
-    assert found, "strata-mcp is not installed (pip install -e '.[test]')"
-    return found
-
-
-@asynccontextmanager
-async def connect(data_dir: Path):
-    env = {**os.environ, "STRATA_DATA_DIR": str(data_dir), "CUDA_VISIBLE_DEVICES": ""}
-    params = StdioServerParameters(command=server_command(), args=[], env=env)
-    async with stdio_client(params) as (read, write), ClientSession(read, write) as session:
-        await session.initialize()
-        yield session
-
-
-async def call(session: ClientSession, name: str, **args):
-    """Call a tool that must succeed; return its structured result."""
-    result = await session.call_tool(name, args, read_timeout_seconds=600)
-    text = " ".join(getattr(c, "text", "") for c in result.content)
-    assert not result.is_error, f"{name} failed: {text}"
-    assert result.structured_content is not None
-    assert result.structured_content["summary"], f"{name} has no summary"
-    return result.structured_content
-
-
-async def call_error(session: ClientSession, name: str, **args) -> str:
-    """Call a tool that must fail cleanly; return its message."""
-    result = await session.call_tool(name, args, read_timeout_seconds=600)
-    assert result.is_error, f"{name} should have failed"
-    return " ".join(getattr(c, "text", "") for c in result.content)
 
 
 async def test_tools_list_has_both_schemas(tmp_path):

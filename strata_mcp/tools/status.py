@@ -22,6 +22,7 @@ class StatusOutput(BaseModel):
     installed: list[InstalledModel]
     installs: list[InstallProgress] = Field(description="Install jobs of this server run, finished or not.")
     data_dir: str
+    warnings: list[str] = Field(default_factory=list, description="Problems found on the way, e.g. a damaged list of installed models.")
 
 
 def run(runtime: Runtime, args: StatusInput, reporter: Reporter) -> StatusOutput:
@@ -35,8 +36,10 @@ def run(runtime: Runtime, args: StatusInput, reporter: Reporter) -> StatusOutput
         head = f"{engine.model}: {engine.state}" + (f" on {engine.backend}" if engine.backend else "")
     running = [j for j in installs if j.state in ("queued", "downloading", "verifying")]
     summary = f"{head}; {len(installed)} model(s) installed" + (f"; {len(running)} install(s) running" if running else "") + "."
+    warnings = [runtime.store.registry_warning] if runtime.store.registry_warning else []
     return StatusOutput(
-        summary=summary, engine=engine, installed=installed, installs=installs, data_dir=str(runtime.store.data_dir)
+        summary=summary, engine=engine, installed=installed, installs=installs,
+        data_dir=str(runtime.store.data_dir), warnings=warnings,
     )
 
 
