@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
+from setup_logic.fit import MemoryEstimate
 from strata_mcp.runtime import EngineSlot, measure_memory
 
 
@@ -16,7 +17,12 @@ class MemoryReport(BaseModel):
     gpu_growth_bytes: int | None = Field(None, description="How much GPU memory use grew since just before the load.")
     engine_host_bytes: int | None = Field(None, description="Host memory the engine's own buffers hold.")
     engine_device_bytes: int | None = Field(None, description="GPU memory the engine's own buffers hold.")
-    estimated_bytes: int | None = Field(None, description="choose_model's estimate for this model and context.")
+    estimated_after_load_bytes: int | None = Field(
+        None, description="choose_model's estimate of the growth right after loading (RAM on the CPU, VRAM on the GPU)."
+    )
+    estimated_full_context_bytes: int | None = Field(
+        None, description="The same estimate once the whole context is in use (the CPU fills its KV cache lazily)."
+    )
 
 
 class LoadProgressView(BaseModel):
@@ -48,14 +54,17 @@ class EngineStatus(BaseModel):
     last_chat: ChatTimings | None = None
 
 
-def memory_report(slot: EngineSlot, estimated_bytes: int | None = None) -> MemoryReport:
+def memory_report(slot: EngineSlot, estimate: MemoryEstimate | None = None) -> MemoryReport:
     now = measure_memory()
     before = slot.memory_before_load or {}
     report = MemoryReport(
         process_rss_bytes=now["process_rss_bytes"],
         gpu_used_bytes=now["gpu_used_bytes"],
-        estimated_bytes=estimated_bytes,
     )
+    if estimate is not None:
+        on_gpu = estimate.level != "cpu"
+        report.estimated_after_load_bytes = estimate.vram_bytes if on_gpu else estimate.ram_after_load_bytes
+        report.estimated_full_context_bytes = estimate.vram_bytes if on_gpu else estimate.ram_bytes
     if before:
         report.process_growth_bytes = now["process_rss_bytes"] - before["process_rss_bytes"]
         if now["gpu_used_bytes"] is not None and before.get("gpu_used_bytes") is not None:
@@ -67,7 +76,7 @@ def memory_report(slot: EngineSlot, estimated_bytes: int | None = None) -> Memor
     return report
 
 
-def engine_status(slot: EngineSlot, estimated_bytes: int | None = None) -> EngineStatus:
+def engine_status(slot: EngineSlot, estimate: MemoryEstimate | None = None) -> EngineStatus:
     status = EngineStatus(state=slot.state, model=slot.model_id, error=slot.error, load_seconds=slot.load_seconds)
     if slot.state == "loading":
         status.load_progress = LoadProgressView(done=slot.load.done, total=slot.load.total, message=slot.load.message)
@@ -75,7 +84,7 @@ def engine_status(slot: EngineSlot, estimated_bytes: int | None = None) -> Engin
         info = slot.model.info
         status.backend, status.backend_reason, status.context_length = info.backend, info.backend_reason, info.context_length
     if slot.state != "stopped":
-        status.memory = memory_report(slot, estimated_bytes)
+        status.memory = memory_report(slot, estimate)
     if slot.last_chat is not None:
         status.last_chat = ChatTimings(**slot.last_chat)
     return status

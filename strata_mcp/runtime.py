@@ -22,7 +22,7 @@ from engine.arch import ARCHITECTURES
 from engine.quants import SUPPORTED_TYPES
 from setup_logic.catalog import get_model
 from setup_logic.errors import SetupError
-from setup_logic.fit import EngineProfile, estimate_memory
+from setup_logic.fit import EngineProfile, MemoryEstimate, estimate_memory
 from setup_logic.install import Installer
 from setup_logic.store import Store
 
@@ -145,14 +145,13 @@ class Runtime:
             time.sleep(0.1)
         return self.slot
 
-    def estimated_bytes(self, slot: EngineSlot) -> int | None:
+    def memory_estimate(self, slot: EngineSlot) -> MemoryEstimate | None:
         """choose_model's estimate for the loaded model at its context, on the device it runs on."""
         if slot.model is None or slot.model_id is None:
             return None
         info = slot.model.info
-        on_gpu = info.backend != "numpy"
-        estimate = estimate_memory(get_model(slot.model_id), info.context_length, "gpu" if on_gpu else "cpu", engine_profile())
-        return estimate.vram_bytes if on_gpu else estimate.ram_bytes
+        level = "cpu" if info.backend == "numpy" else "gpu"
+        return estimate_memory(get_model(slot.model_id), info.context_length, level, engine_profile())
 
     # -- unloading -----------------------------------------------------------------------
     def stop_model(self, force: bool, timeout: float = 30.0) -> EngineSlot:

@@ -65,6 +65,9 @@ async def test_whole_chain(tmp_path, smollm2_gguf):
         started = await call(session, "start", model="smollm2-135m-instruct", device="cpu", wait_seconds=300)
         assert started["engine"]["state"] == "ready"
         assert started["engine"]["backend"] == "numpy"
+        memory = started["engine"]["memory"]
+        # The fit's estimate is the one choose_model uses: it must match what loading really cost.
+        assert abs(memory["process_growth_bytes"] / memory["estimated_after_load_bytes"] - 1) < 0.15, memory
 
         answer = await call(session, "chat", prompt="What is the capital of France?", temperature=0, max_tokens=32)
         assert "Paris" in answer["text"]

@@ -41,7 +41,7 @@ def run(runtime: Runtime, args: StartInput, reporter: Reporter) -> StartOutput:
     model_id = _pick_model(runtime, args.model)
     runtime.start_model(model_id, args.device, args.context_length)
     slot = runtime.wait_until_loaded(args.wait_seconds, reporter.cancelled, reporter.progress)
-    status = engine_status(slot, runtime.estimated_bytes(slot))
+    status = engine_status(slot, runtime.memory_estimate(slot))
     if slot.state in ("ready", "busy"):
         summary = (
             f"{model_id} is ready on {status.backend} ({status.backend_reason}), context {status.context_length} tokens, "

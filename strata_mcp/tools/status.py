@@ -27,7 +27,7 @@ class StatusOutput(BaseModel):
 
 def run(runtime: Runtime, args: StatusInput, reporter: Reporter) -> StatusOutput:
     slot = runtime.slot
-    engine = engine_status(slot, runtime.estimated_bytes(slot))
+    engine = engine_status(slot, runtime.memory_estimate(slot))
     installed = runtime.store.installed()
     installs = runtime.installer.jobs()
     if engine.state == "stopped":
