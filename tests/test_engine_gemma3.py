@@ -75,3 +75,23 @@ def test_tokenization_matches_transformers(engine_model, hf_tokenizer, text):
     ids = ours.encode(text, add_bos=False)
     assert ids == hf_tokenizer.encode(text, add_special_tokens=False)
     assert ours.decode(ids) == hf_tokenizer.decode(ids, skip_special_tokens=False) == text
+
+
+def test_greedy_continuation_matches_transformers(engine_model, hf_model):
+    import torch
+
+    from engine import GenerationSettings
+
+    prompt = PROMPTS[2]
+    tokenizer = engine_model.tokenizer
+    stops = [tokenizer.eos_id, tokenizer.token_id("<end_of_turn>")]
+    ids = tokenizer.encode(prompt)
+    with torch.no_grad():
+        out = hf_model.generate(
+            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=16, do_sample=False, eos_token_id=stops, pad_token_id=0,
+        )[0, len(ids):].tolist()
+    kept = [t for t in out if t not in stops]
+    result = engine_model.complete(prompt, GenerationSettings(temperature=0, max_tokens=16))
+    assert result.text == tokenizer.decode(kept)
+    assert result.completion_tokens == len(kept)
