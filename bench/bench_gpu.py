@@ -37,6 +37,64 @@ def bytes_per_token(weights) -> int:
     return total
 
 
+def graph_step_ms(state, reps: int = 50) -> float:
+    """Device time of one decode step alone: the captured graph replayed back to back, timed with events (the
+    rest of a token's time is the host's: feeding the token, sampling, reading the id back)."""
+    import cupy
+
+    stream = state.backend.stream
+    state.decode_step()
+    begin, end = cupy.cuda.Event(), cupy.cuda.Event()
+    begin.record(stream)
+    for _ in range(reps):
+        state.decode_step()
+    end.record(stream)
+    end.synchronize()
+    return round(cupy.cuda.get_elapsed_time(begin, end) / reps, 4)
+
+
+def decode_breakdown_us(state, reps: int = 20) -> dict[str, float]:
+    """Device time of each op of one decode step (layer 0, one token at the current position), each op captured
+    `reps` times into its own graph and replayed."""
+    import cupy
+
+    from engine.backend import ROPE_NORMAL
+
+    backend, ws, c, w, cache = state.backend, state.workspace, state.config, state.weights, state.cache
+    layer = w.layers[0]
+    x, h, qkv, attn, delta = ws.x[:1], ws.h[:1], ws.qkv[:1], ws.attn[:1], ws.delta[:1]
+    q = qkv[:, : c.q_dim].reshape(1, c.n_heads, c.head_dim)
+    k = qkv[:, c.q_dim : c.q_dim + c.kv_dim].reshape(1, c.n_kv_heads, c.head_dim)
+    v = qkv[:, c.q_dim + c.kv_dim :].reshape(1, c.n_kv_heads, c.head_dim)
+    ops = {
+        "embed": lambda: backend.embed(w.token_embd, ws.tokens[:1], x),
+        "add_rms_norm+q8": lambda: backend.add_rms_norm(delta, x, layer.attn_norm, c.rms_eps, h),
+        "qkv": lambda: backend.linear(h, layer.qkv[0], qkv),
+        "rope_store_kv": lambda: backend.rope_store_kv(q, k, v, w.rope, ROPE_NORMAL, cache, 0, ws.start),
+        "attention+q8": lambda: backend.attention(q, cache, 0, ws.start, attn, 0.1),
+        "attn_out": lambda: backend.linear(attn, layer.attn_out, delta),
+        "gate_up+q8": lambda: backend.gated_ffn(h, layer.gate, layer.up, ws.ffn[:1], ws.ffn_scratch[:1]),
+        "down": lambda: backend.linear(ws.ffn[:1], layer.down, delta),
+        "head": lambda: backend.linear(h, w.output, ws.logits),
+    }
+    result = {}
+    for name, op in ops.items():
+        with backend.stream:
+            op()
+            backend.stream.begin_capture()
+            for _ in range(reps):
+                op()
+            graph = backend.stream.end_capture()
+            graph.launch(backend.stream)
+            begin, end = cupy.cuda.Event(), cupy.cuda.Event()
+            begin.record(backend.stream)
+            graph.launch(backend.stream)
+            end.record(backend.stream)
+            end.synchronize()
+        result[name] = round(cupy.cuda.get_elapsed_time(begin, end) * 1e3 / reps, 2)
+    return result
+
+
 def gpu_name() -> str:
     try:
         import cupy
@@ -76,6 +134,8 @@ def run(path: Path, prompt_len: int, output_len: int, device: str) -> dict:
         seconds, logits = timed_prefill()
         runs.append((seconds, timed_decode(logits)))
     prompt_s, output_s = min(r[0] for r in runs), min(r[1] for r in runs)
+    step_ms = graph_step_ms(state) if backend.name == "cupy" else None
+    breakdown = decode_breakdown_us(state) if backend.name == "cupy" else None
     per_token = bytes_per_token(state.weights)
     output_tps = output_len / output_s
     floor_tps = BANDWIDTH / per_token
@@ -93,6 +153,9 @@ def run(path: Path, prompt_len: int, output_len: int, device: str) -> dict:
         "bytes_per_token": per_token,
         "floor_output_tokens_per_s": round(floor_tps, 1),
         "fraction_of_floor": round(output_tps / floor_tps, 3),
+        "gpu_ms_per_decode_step": step_ms,
+        "host_ms_per_token": round(output_s / output_len * 1e3 - step_ms, 3) if step_ms is not None else None,
+        "decode_op_us_layer0": breakdown,
     }
     model.close()
     return result
