@@ -18,12 +18,6 @@ for part in "$@"; do
       f=/tmp/strata/synthetic-1.2b-Q4_0.gguf
       python3 bench/make_synthetic_gguf.py "$f" --shape 1.2b --type Q4_0
       python3 bench/bench_gpu.py "$f" 2>&1 | tee -a "$OUT/bench.jsonl"
-      if false; then
-        nsys profile -o /tmp/strata/decode --force-overwrite true --cuda-graph-trace=node python3 bench/bench_gpu.py "$f" --prompt 64 --output 64 > /tmp/strata/nsys.log 2>&1
-        nsys stats --report cuda_gpu_kern_sum --format csv /tmp/strata/decode.nsys-rep 2>/dev/null | head -40 | tee "$OUT/kernel_summary.csv" | cut -c1-200
-      else
-        echo "no nsys on this machine"
-      fi
       rm -f "$f" ;;
     smol)
       ls .carry/ /tmp/strata/
