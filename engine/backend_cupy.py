@@ -168,8 +168,11 @@ class CupyBackend:
 
     @_on_stream
     def kv_cache(self, n_layers: int, n_kv_heads: int, head_dim: int, max_tokens: int) -> CupyKVCache:
-        if head_dim % 8 or head_dim > 256:
-            raise EngineError(f"Heads of {head_dim} dims are not supported on the GPU (a multiple of 8, at most 256).")
+        if head_dim not in K.HEAD_DIMS:
+            raise EngineError(
+                f"This model's attention heads have {head_dim} dims; the GPU backend supports "
+                f"{', '.join(map(str, K.HEAD_DIMS))}. Run it on the CPU with device='cpu'."
+            )
         shape = (n_layers, n_kv_heads, max_tokens, head_dim)
         return self._hold(CupyKVCache(cupy.zeros(shape, cupy.float16), cupy.zeros(shape, cupy.float16)))
 

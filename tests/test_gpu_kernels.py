@@ -227,7 +227,7 @@ def test_rope_store_kv(neox):
 
 
 @pytest.mark.parametrize("n,start,window,hd", [(1, 0, 0, 64), (1, 300, 0, 128), (1, 300, 100, 64), (37, 50, 0, 64),
-                                                (130, 0, 0, 128), (20, 90, 33, 64)])
+                                                (130, 0, 0, 128), (20, 90, 33, 64), (1, 200, 0, 256), (9, 3, 0, 256)])
 def test_attention(n, start, window, hd):
     rng = np.random.default_rng()
     heads, kv, max_tokens = 8, 2, 512

@@ -10,14 +10,18 @@
 // Key ranges come from start[0] in device memory, so one captured graph serves every position; splits past
 // the range are empty and write max = -inf, sum = 0.
 
-#define MAX_HD 256
-
-extern "C" __global__ void attention_partial(const float* __restrict__ q, long q_stride,
-                                             const u16* __restrict__ k_cache, const u16* __restrict__ v_cache,
-                                             int max_tokens, int n_heads, int n_kv, int hd,
-                                             const int* __restrict__ start, int n, int window, float scale_log2,
-                                             int wpq, float* __restrict__ part) {
-    __shared__ float qs[4][MAX_HD];
+// HD is the head dimension (64, 128 or 256): a compile-time size lets the loads of a key row and of a value
+// tile be issued together rather than one dependent load at a time.
+template <int HD>
+__device__ __forceinline__ void attention_partial_impl(const float* __restrict__ q, long q_stride,
+                                                       const u16* __restrict__ k_cache,
+                                                       const u16* __restrict__ v_cache, int max_tokens,
+                                                       int n_heads, int n_kv, const int* __restrict__ start, int n,
+                                                       int window, float scale_log2, int wpq,
+                                                       float* __restrict__ part) {
+    constexpr int DPL = HD / 32;  // dims per lane in the value accumulation
+    constexpr int VT = 8;         // value rows loaded together
+    __shared__ float qs[4][HD];
     const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
     const int head = blockIdx.x;
     const int qi = blockIdx.y * (4 / wpq) + warp / wpq;
@@ -32,26 +36,29 @@ extern "C" __global__ void attention_partial(const float* __restrict__ q, long q
     const int lo = first + split * per;
     const int hi = min(lo + per, pos + 1);
 
-    const float* qr = q + qi * q_stride + (long)head * hd;
-    for (int i = lane; i < hd; i += 32) qs[warp][i] = qr[i] * scale_log2;
+    const float* qr = q + qi * q_stride + (long)head * HD;
+#pragma unroll
+    for (int i = 0; i < DPL; ++i) qs[warp][lane + 32 * i] = qr[lane + 32 * i] * scale_log2;
     __syncwarp();
 
-    const u16* kbase = k_cache + (long)kvh * max_tokens * hd;
-    const u16* vbase = v_cache + (long)kvh * max_tokens * hd;
-    const int dpl = hd / 32;  // dims per lane in the value accumulation
-    float acc[MAX_HD / 32];
+    const u16* kbase = k_cache + (long)kvh * max_tokens * HD;
+    const u16* vbase = v_cache + (long)kvh * max_tokens * HD;
+    float acc[DPL];
 #pragma unroll
-    for (int i = 0; i < MAX_HD / 32; ++i) acc[i] = 0.0f;
+    for (int i = 0; i < DPL; ++i) acc[i] = 0.0f;
     float m = NEG_INF, l = 0.0f;
     for (int j0 = lo; j0 < hi; j0 += 32) {
         const int j = j0 + lane;
         float s = NEG_INF;
         if (j < hi) {
-            const uint4* kr = reinterpret_cast<const uint4*>(kbase + (long)j * hd);
+            const uint4* kr = reinterpret_cast<const uint4*>(kbase + (long)j * HD);
+            uint4 kv[HD / 8];
+#pragma unroll
+            for (int c = 0; c < HD / 8; ++c) kv[c] = __ldg(kr + c);
             float dot = 0.0f;
-            for (int c = 0; c < hd / 8; ++c) {
-                const uint4 u = __ldg(kr + c);
-                const u32 w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+            for (int c = 0; c < HD / 8; ++c) {
+                const u32 w[4] = {kv[c].x, kv[c].y, kv[c].z, kv[c].w};
 #pragma unroll
                 for (int t = 0; t < 4; ++t) {
                     dot = fmaf(qs[warp][8 * c + 2 * t], h2f((u16)(w[t] & 0xFFFF)), dot);
@@ -65,26 +72,45 @@ extern "C" __global__ void attention_partial(const float* __restrict__ q, long q
         const float p = j < hi ? exp2f(s - m_new) : 0.0f;
         l = l * corr + warp_sum(p);
 #pragma unroll
-        for (int i = 0; i < MAX_HD / 32; ++i) acc[i] *= corr;
+        for (int i = 0; i < DPL; ++i) acc[i] *= corr;
         const int cnt = min(32, hi - j0);
-        for (int jj = 0; jj < cnt; ++jj) {
-            const float pj = __shfl_sync(0xFFFFFFFFu, p, jj);
-            const u16* vr = vbase + (long)(j0 + jj) * hd;
+        for (int jj = 0; jj < cnt; jj += VT) {
+            u16 vv[VT][DPL];
 #pragma unroll
-            for (int i = 0; i < MAX_HD / 32; ++i)
-                if (i < dpl) acc[i] = fmaf(pj, h2f(vr[lane + 32 * i]), acc[i]);
+            for (int t = 0; t < VT; ++t)
+#pragma unroll
+                for (int i = 0; i < DPL; ++i)
+                    vv[t][i] = jj + t < cnt ? vbase[(long)(j0 + jj + t) * HD + lane + 32 * i] : (u16)0;
+#pragma unroll
+            for (int t = 0; t < VT; ++t) {
+                const float pj = __shfl_sync(0xFFFFFFFFu, p, (jj + t) & 31);
+#pragma unroll
+                for (int i = 0; i < DPL; ++i) acc[i] = fmaf(jj + t < cnt ? pj : 0.0f, h2f(vv[t][i]), acc[i]);
+            }
         }
         m = m_new;
     }
-    float* out = part + (((long)qi * n_heads + head) * n_splits + split) * (hd + 2);
+    float* out = part + (((long)qi * n_heads + head) * n_splits + split) * (HD + 2);
 #pragma unroll
-    for (int i = 0; i < MAX_HD / 32; ++i)
-        if (i < dpl) out[lane + 32 * i] = acc[i];
+    for (int i = 0; i < DPL; ++i) out[lane + 32 * i] = acc[i];
     if (lane == 0) {
-        out[hd] = m;
-        out[hd + 1] = l;
+        out[HD] = m;
+        out[HD + 1] = l;
     }
 }
+
+#define ATTENTION_PARTIAL(HD)                                                                                  \
+    extern "C" __global__ void attention_partial_##HD(                                                        \
+        const float* q, long q_stride, const u16* k_cache, const u16* v_cache, int max_tokens, int n_heads,  \
+        int n_kv, const int* start, int n, int window, float scale_log2, int wpq, float* part) {              \
+        attention_partial_impl<HD>(q, q_stride, k_cache, v_cache, max_tokens, n_heads, n_kv, start, n, window, \
+                                   scale_log2, wpq, part);                                                     \
+    }
+ATTENTION_PARTIAL(64)
+ATTENTION_PARTIAL(128)
+ATTENTION_PARTIAL(256)
+
+#define MAX_SPLITS 64
 
 // One block per (query, head), one thread per dim: out = sum_s acc_s 2^(m_s - M) / sum_s l_s 2^(m_s - M).
 // For decode (one query, hd a multiple of 32) each warp also quantizes its 32 outputs for the output
@@ -92,16 +118,21 @@ extern "C" __global__ void attention_partial(const float* __restrict__ q, long q
 extern "C" __global__ void attention_combine(const float* __restrict__ part, int n_heads, int hd, int n_splits,
                                              float* __restrict__ out, long out_stride, signed char* xq,
                                              signed char* xq2, float2* xds) {
+    __shared__ float sm[MAX_SPLITS], sl[MAX_SPLITS];
     const int qi = blockIdx.x, head = blockIdx.y, d = threadIdx.x;
     const float* p = part + ((long)qi * n_heads + head) * n_splits * (hd + 2);
+    for (int s = d; s < n_splits; s += blockDim.x) {
+        sm[s] = p[s * (hd + 2) + hd];
+        sl[s] = p[s * (hd + 2) + hd + 1];
+    }
+    __syncthreads();
     float mx = NEG_INF;
-    for (int s = 0; s < n_splits; ++s) mx = fmaxf(mx, p[s * (hd + 2) + hd]);
+    for (int s = 0; s < n_splits; ++s) mx = fmaxf(mx, sm[s]);
     float num = 0.0f, den = 0.0f;
+#pragma unroll 8
     for (int s = 0; s < n_splits; ++s) {
-        const float ms = p[s * (hd + 2) + hd];
-        if (ms == NEG_INF) continue;
-        const float f = exp2f(ms - mx);
-        den += p[s * (hd + 2) + hd + 1] * f;
+        const float f = exp2f(sm[s] - mx);  // 0 for an empty split (max -inf, sum 0, output 0)
+        den += sl[s] * f;
         if (d < hd) num += p[s * (hd + 2) + d] * f;
     }
     if (d < hd) out[qi * out_stride + (long)head * hd + d] = num / den;

@@ -23,6 +23,7 @@ _DIR = Path(__file__).parent
 _HEADER = "quant_blocks.cuh"
 WARPS = 4  # warps per block of the matrix-vector and attention kernels
 ATTN_Z_SPLITS = 8  # decode attention: grid.z blocks per head, times 4 warps = 32 splits of the KV range
+HEAD_DIMS = (64, 128, 256)  # head sizes the attention kernels are built for
 ACT_SILU, ACT_GELU_TANH = 0, 1
 
 i32, i64, f32 = np.int32, np.int64, np.float32
@@ -252,7 +253,7 @@ def attention(q, k_cache, v_cache, start, out, scale: float, window: int, part, 
     n_kv, max_tokens = k_cache.shape[0], k_cache.shape[1]
     z, wpq = attention_splits(n)
     qpb = 4 // wpq
-    kernel("attention", "attention_partial")(
+    kernel("attention", f"attention_partial_{hd}")(
         (n_heads, _blocks(n, qpb), z), (128,),
         (q, i64(q.strides[0] // 4), k_cache, v_cache, i32(max_tokens), i32(n_heads), i32(n_kv), i32(hd), start,
          i32(n), i32(window), f32(scale * 1.4426950408889634), i32(wpq), part),
