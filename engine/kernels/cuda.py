@@ -255,7 +255,7 @@ def attention(q, k_cache, v_cache, start, out, scale: float, window: int, part, 
     qpb = 4 // wpq
     kernel("attention", f"attention_partial_{hd}")(
         (n_heads, _blocks(n, qpb), z), (128,),
-        (q, i64(q.strides[0] // 4), k_cache, v_cache, i32(max_tokens), i32(n_heads), i32(n_kv), i32(hd), start,
+        (q, i64(q.strides[0] // 4), k_cache, v_cache, i32(max_tokens), i32(n_heads), i32(n_kv), start,
          i32(n), i32(window), f32(scale * 1.4426950408889634), i32(wpq), part),
     )
     kernel("attention", "attention_combine")(
