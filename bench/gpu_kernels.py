@@ -73,14 +73,15 @@ def bench_matvec(rng):
     shapes = {"8B qkv": (6144, 4096), "8B o": (4096, 4096), "8B ffn_down": (4096, 14336),
               "8B ffn_gate+up": (14336, 4096), "1.2B qkv": (3072, 2048), "1.2B ffn_down": (2048, 8192),
               "1.2B ffn_gate+up": (8192, 2048), "135M ffn_gate+up": (1536, 576), "8B head": (128256, 4096)}
-    for qtype in (T.Q4_0, T.Q4_K, T.Q6_K, T.Q4_1):
+    for qtype in (T.Q4_0, T.Q4_K, T.Q6_K, T.Q4_1, T.Q8_0):
         for label, (m, k) in shapes.items():
             ws, nbytes = weight_copies(qtype, m, k, rng)
             x = cp.asarray(rng.standard_normal(k).astype(np.float32))
             q8, q8_out = K.Q8.empty(k), K.Q8.empty(m)
             out = cp.empty(m, cp.float32)
             K.quantize_q8(x, q8)
-            variants = {"w1": 1, "w2": 2, "w4": 4} if "gate" not in label else {"glu": 0, "glu_q8": 0}
+            variants = ({"w1": (1, 1), "w2": (2, 1), "w4": (4, 1), "w1_r2": (1, 2), "w2_r2": (2, 2)}
+                        if "gate" not in label else {"glu": 0, "glu_q8": 0})
             for name, r in variants.items():
                 if name.startswith("glu"):
                     def launch(name=name):
@@ -95,7 +96,7 @@ def bench_matvec(rng):
                 t = timed_graph(launch) / per
                 print(json.dumps({"kernel": "matvec", "type": qtype.name, "shape": label, "m": m, "k": k,
                                   "variant": name, "us": round(t * 1e6, 2),
-                                  "GB/s": round(nbytes * (2 if "glu" in name else 1) / t / 1e9, 1), "heuristic_w": K.warps_per_row(m, k),
+                                  "GB/s": round(nbytes * (2 if "glu" in name else 1) / t / 1e9, 1), "heuristic": K.matvec_shape(m, k),
                                   "fraction_of_4.3TB/s": round(nbytes * (2 if "glu" in name else 1) / t / BANDWIDTH, 3)}),
                       flush=True)
             del ws

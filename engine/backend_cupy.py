@@ -316,15 +316,17 @@ class CupyBackend:
     @_on_stream
     def attention(self, q, cache: CupyKVCache, layer: int, start, out, scale: float, window: int = 0) -> None:
         n, n_heads, hd = q.shape
-        z, wpq = K.attention_splits(n)
-        size = n * n_heads * z * wpq * (hd + 2)
-        if n == 1:
-            if self._decode_part is None or self._decode_part.size < size:
-                self._decode_part = cupy.empty(size, cupy.float32)
-            part = self._decode_part
-        else:
-            part = self._buffer("attn_part", size, cupy.float32)
-        q8 = self._quantize_output(out) if n == 1 and hd % 32 == 0 else None
+        q8 = self._quantize_output(out) if n == 1 else None
+        part = None
+        if q8 is None:  # the two-kernel form needs scratch for the partial results of its key-range splits
+            z, wpq = K.attention_splits(n)
+            size = n * n_heads * z * wpq * (hd + 2)
+            if n == 1:
+                if self._decode_part is None or self._decode_part.size < size:
+                    self._decode_part = cupy.empty(size, cupy.float32)
+                part = self._decode_part
+            else:
+                part = self._buffer("attn_part", size, cupy.float32)
         K.attention(q, cache.k[layer], cache.v[layer], start, out, scale, window, part, q8)
 
     @_on_stream

@@ -1,52 +1,28 @@
-// Causal grouped-query attention over the fp16 KV cache, in two kernels.
+// Causal grouped-query attention over the fp16 KV cache.
 //
-// attention_partial: each warp takes one (query, head, split) item: the keys of its split of the query's
-// causal range, 32 at a time (lane j scores key j, then every lane accumulates the weighted values of its own
-// dims), with an online softmax in base 2. It writes its unnormalized output, max and sum. For decode the four
-// warps of a block split one query's keys (wpq = 4) and grid.z adds splits, so a single query fills the GPU;
-// for prompt chunks the four warps take four consecutive queries of one head (wpq = 1), which share their
-// K/V rows through L1. attention_combine merges the splits and normalizes.
+// Decode (one query): attention_decode, one block per head whose 32 warps split the key range, combined in
+// shared memory, the head's output quantized for the output projection; one launch per layer.
+// Prompt chunks: attention_partial, each warp one (query, head, split) item (four consecutive queries of a head
+// per block share their K/V rows through L1), then attention_combine merges the splits and normalizes (it also
+// serves decode when no quantized output is wanted).
 //
 // Key ranges come from start[0] in device memory, so one captured graph serves every position; splits past
-// the range are empty and write max = -inf, sum = 0.
+// the range are empty and leave max = -inf, sum = 0.
 
-// HD is the head dimension (64, 128 or 256): a compile-time size lets the loads of a key row and of a value
-// tile be issued together rather than one dependent load at a time.
+// One warp's share of attention for one query: keys lo..hi-1, 32 at a time (lane j scores key j, then every
+// lane accumulates the weighted values of its own dims), online softmax in base 2. qs: the query times
+// scale * log2(e). Leaves the unnormalized output (HD / 32 dims a lane), the max m and the sum l.
 template <int HD>
-__device__ __forceinline__ void attention_partial_impl(const float* __restrict__ q, long q_stride,
-                                                       const u16* __restrict__ k_cache,
-                                                       const u16* __restrict__ v_cache, int max_tokens,
-                                                       int n_heads, int n_kv, const int* __restrict__ start, int n,
-                                                       int window, float scale_log2, int wpq,
-                                                       float* __restrict__ part) {
+__device__ __forceinline__ void warp_attend(const float* qs, const u16* __restrict__ kbase,
+                                            const u16* __restrict__ vbase, int lo, int hi, float (&acc)[HD / 32],
+                                            float& m, float& l) {
     constexpr int DPL = HD / 32;  // dims per lane in the value accumulation
     constexpr int VT = 8;         // value rows loaded together
-    __shared__ float qs[4][HD];
-    const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
-    const int head = blockIdx.x;
-    const int qi = blockIdx.y * (4 / wpq) + warp / wpq;
-    const int n_splits = gridDim.z * wpq;
-    const int split = blockIdx.z * wpq + warp % wpq;
-    if (qi >= n) return;
-    const int kvh = head / (n_heads / n_kv);
-    const int pos = start[0] + qi;
-    const int first = window > 0 ? max(0, pos - window + 1) : 0;
-    const int len = pos + 1 - first;
-    const int per = (len + n_splits - 1) / n_splits;
-    const int lo = first + split * per;
-    const int hi = min(lo + per, pos + 1);
-
-    const float* qr = q + qi * q_stride + (long)head * HD;
-#pragma unroll
-    for (int i = 0; i < DPL; ++i) qs[warp][lane + 32 * i] = qr[lane + 32 * i] * scale_log2;
-    __syncwarp();
-
-    const u16* kbase = k_cache + (long)kvh * max_tokens * HD;
-    const u16* vbase = v_cache + (long)kvh * max_tokens * HD;
-    float acc[DPL];
+    const int lane = threadIdx.x & 31;
 #pragma unroll
     for (int i = 0; i < DPL; ++i) acc[i] = 0.0f;
-    float m = NEG_INF, l = 0.0f;
+    m = NEG_INF;
+    l = 0.0f;
     for (int j0 = lo; j0 < hi; j0 += 32) {
         const int j = j0 + lane;
         float s = NEG_INF;
@@ -61,8 +37,8 @@ __device__ __forceinline__ void attention_partial_impl(const float* __restrict__
                 const u32 w[4] = {kv[c].x, kv[c].y, kv[c].z, kv[c].w};
 #pragma unroll
                 for (int t = 0; t < 4; ++t) {
-                    dot = fmaf(qs[warp][8 * c + 2 * t], h2f((u16)(w[t] & 0xFFFF)), dot);
-                    dot = fmaf(qs[warp][8 * c + 2 * t + 1], h2f((u16)(w[t] >> 16)), dot);
+                    dot = fmaf(qs[8 * c + 2 * t], h2f((u16)(w[t] & 0xFFFF)), dot);
+                    dot = fmaf(qs[8 * c + 2 * t + 1], h2f((u16)(w[t] >> 16)), dot);
                 }
             }
             s = dot;
@@ -90,9 +66,42 @@ __device__ __forceinline__ void attention_partial_impl(const float* __restrict__
         }
         m = m_new;
     }
+}
+
+// HD is the head dimension (64, 128 or 256): a compile-time size lets the loads of a key row and of a value
+// tile be issued together rather than one dependent load at a time.
+template <int HD>
+__device__ __forceinline__ void attention_partial_impl(const float* __restrict__ q, long q_stride,
+                                                       const u16* __restrict__ k_cache,
+                                                       const u16* __restrict__ v_cache, int max_tokens,
+                                                       int n_heads, int n_kv, const int* __restrict__ start, int n,
+                                                       int window, float scale_log2, int wpq,
+                                                       float* __restrict__ part) {
+    __shared__ float qs[4][HD];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+    const int head = blockIdx.x;
+    const int qi = blockIdx.y * (4 / wpq) + warp / wpq;
+    const int n_splits = gridDim.z * wpq;
+    const int split = blockIdx.z * wpq + warp % wpq;
+    if (qi >= n) return;
+    const int kvh = head / (n_heads / n_kv);
+    const int pos = start[0] + qi;
+    const int first = window > 0 ? max(0, pos - window + 1) : 0;
+    const int len = pos + 1 - first;
+    const int per = (len + n_splits - 1) / n_splits;
+    const int lo = first + split * per;
+    const int hi = min(lo + per, pos + 1);
+
+    const float* qr = q + qi * q_stride + (long)head * HD;
+#pragma unroll
+    for (int i = 0; i < HD / 32; ++i) qs[warp][lane + 32 * i] = qr[lane + 32 * i] * scale_log2;
+    __syncwarp();
+    float acc[HD / 32], m, l;
+    warp_attend<HD>(qs[warp], k_cache + (long)kvh * max_tokens * HD, v_cache + (long)kvh * max_tokens * HD, lo, hi,
+                    acc, m, l);
     float* out = part + (((long)qi * n_heads + head) * n_splits + split) * (HD + 2);
 #pragma unroll
-    for (int i = 0; i < DPL; ++i) out[lane + 32 * i] = acc[i];
+    for (int i = 0; i < HD / 32; ++i) out[lane + 32 * i] = acc[i];
     if (lane == 0) {
         out[HD] = m;
         out[HD + 1] = l;
@@ -109,6 +118,63 @@ __device__ __forceinline__ void attention_partial_impl(const float* __restrict__
 ATTENTION_PARTIAL(64)
 ATTENTION_PARTIAL(128)
 ATTENTION_PARTIAL(256)
+
+// Decode (one query): one block per head, its 32 warps split the key range, then combine through shared memory
+// and quantize the head's output for the output projection; one launch instead of partial + combine.
+template <int HD>
+__device__ __forceinline__ void attention_decode_impl(const float* __restrict__ q, const u16* __restrict__ k_cache,
+                                                      const u16* __restrict__ v_cache, int max_tokens, int n_heads,
+                                                      int n_kv, const int* __restrict__ start, int window,
+                                                      float scale_log2, float* __restrict__ out, signed char* xq,
+                                                      signed char* xq2, float2* xds) {
+    __shared__ float qs[HD];
+    __shared__ float accs[32][HD + 1];
+    __shared__ float ms[32], ls[32];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, head = blockIdx.x;
+    const int kvh = head / (n_heads / n_kv);
+    const int pos = start[0];
+    const int first = window > 0 ? max(0, pos - window + 1) : 0;
+    const int per = (pos + 1 - first + 31) / 32;
+    const int lo = first + warp * per, hi = min(lo + per, pos + 1);
+    for (int i = threadIdx.x; i < HD; i += blockDim.x) qs[i] = q[(long)head * HD + i] * scale_log2;
+    __syncthreads();
+    float acc[HD / 32], m, l;
+    warp_attend<HD>(qs, k_cache + (long)kvh * max_tokens * HD, v_cache + (long)kvh * max_tokens * HD, lo, hi, acc,
+                    m, l);
+#pragma unroll
+    for (int i = 0; i < HD / 32; ++i) accs[warp][lane + 32 * i] = acc[i];
+    if (lane == 0) {
+        ms[warp] = m;
+        ls[warp] = l;
+    }
+    __syncthreads();
+    if (threadIdx.x >= HD) return;
+    const int d = threadIdx.x;
+    float mx = NEG_INF;
+    for (int s = 0; s < 32; ++s) mx = fmaxf(mx, ms[s]);
+    float num = 0.0f, den = 0.0f;
+#pragma unroll 8
+    for (int s = 0; s < 32; ++s) {
+        const float f = exp2f(ms[s] - mx);  // 0 for an empty split
+        den += ls[s] * f;
+        num += accs[s][d] * f;
+    }
+    const float o = num / den;
+    out[(long)head * HD + d] = o;
+    quantize_group(o, (long)head * HD / 32 + d / 32, xq, xq2, xds);
+}
+
+#define ATTENTION_DECODE(HD)                                                                                   \
+    extern "C" __global__ void __launch_bounds__(1024) attention_decode_##HD(                                 \
+        const float* q, const u16* k_cache, const u16* v_cache, int max_tokens, int n_heads, int n_kv,        \
+        const int* start, int window, float scale_log2, float* out, signed char* xq, signed char* xq2,        \
+        float2* xds) {                                                                                         \
+        attention_decode_impl<HD>(q, k_cache, v_cache, max_tokens, n_heads, n_kv, start, window, scale_log2,  \
+                                  out, xq, xq2, xds);                                                          \
+    }
+ATTENTION_DECODE(64)
+ATTENTION_DECODE(128)
+ATTENTION_DECODE(256)
 
 #define MAX_SPLITS 64
 

@@ -116,21 +116,24 @@ def quantize_q8(x: Any, q8: Q8) -> None:
     kernel("matvec", "quantize_q8")((_blocks(groups, 8),), (256,), (x, *q8.args(), i32(groups)))
 
 
-def warps_per_row(m: int, k: int) -> int:
-    """Split each row over 2 or 4 warps while that adds warps the GPU can hold and each keeps a group a lane."""
+def matvec_shape(m: int, k: int) -> tuple[int, int]:
+    """(warps per row set, rows per set) for an (m, k) product: split rows over 2 or 4 warps while that adds
+    warps the GPU can hold and leaves each lane a group."""
     wpr, groups = 1, k // 32
     while wpr < 4 and m * wpr < WARP_SLOTS and groups // (64 * wpr) >= 1:
         wpr *= 2
-    return wpr
+    return wpr, 1
 
 
-def matvec(w: GpuWeight, x: Any, q8: Q8 | None, out: Any, wpr: int | None = None) -> None:
-    """out (m,) = w (m, k) . x (k,); quantized weights read q8 (quantize_q8 of x), float ones read x."""
+def matvec(w: GpuWeight, x: Any, q8: Q8 | None, out: Any, shape: tuple[int, int] | None = None) -> None:
+    """out (m,) = w (m, k) . x (k,); quantized weights read q8 (quantize_q8 of x), float ones read x. shape =
+    (warps per row set, rows per set): the warps split the set's groups, the set's rows (1, or 2 with 1 or 2
+    warps) share their loads of x; matvec_shape picks it by default."""
     m, k = w.shape
     if w.quantized:
-        wpr = wpr or warps_per_row(m, k)
-        fn = kernel("matvec", f"matvec_{w.suffix}_w{wpr}")
-        fn((_blocks(m * wpr, WARPS),), (32 * WARPS,), (*w.args(), *q8.args(), out, i32(m), i32(k)))
+        wpr, rows = shape or matvec_shape(m, k)
+        fn = kernel("matvec", f"matvec_{w.suffix}_w{wpr}" + ("_r2" if rows == 2 else ""))
+        fn((_blocks(m * wpr, WARPS * rows),), (32 * WARPS,), (*w.args(), *q8.args(), out, i32(m), i32(k)))
     else:
         kernel("matvec", f"matvec_{w.suffix}")((_blocks(m, WARPS),), (32 * WARPS,), (w.data, x, out, i32(m), i32(k)))
 
@@ -248,9 +251,16 @@ def attention_splits(n: int) -> tuple[int, int]:
 
 def attention(q, k_cache, v_cache, start, out, scale: float, window: int, part, q8: Q8 | None = None) -> None:
     """q (n, H, hd) strided view; out (n, H*hd); part: float32 scratch of n*H*splits*(hd+2). With q8 (one
-    query, hd a multiple of 32) out is also quantized there for the output projection."""
+    query) out is also quantized there for the output projection, by the one-kernel decode variant."""
     n, n_heads, hd = q.shape
     n_kv, max_tokens = k_cache.shape[0], k_cache.shape[1]
+    if n == 1 and q8 is not None:
+        kernel("attention", f"attention_decode_{hd}")(
+            (n_heads,), (1024,),
+            (q, k_cache, v_cache, i32(max_tokens), i32(n_heads), i32(n_kv), start, i32(window),
+             f32(scale * 1.4426950408889634), out, *q8.args()),
+        )
+        return
     z, wpq = attention_splits(n)
     qpb = 4 // wpq
     kernel("attention", f"attention_partial_{hd}")(

@@ -30,11 +30,12 @@ __device__ __forceinline__ float group_dot(const int (&w)[8], const int4 (&x)[4]
     return ds.x * (1.0f / 254.0f) * (sc[0] * (float)lo + sc[1] * (float)hi) + mn * ds.y;
 }
 
-// Sum of row `row` of NW matrices times x over the groups g = first, first + step, ... (one lane's share).
-template <class B, int NW>
-__device__ __forceinline__ void row_dots(const Planes* w, int row, int k, int first, int step,
+// Rows row0 .. row0 + R - 1 (those < m) of NW matrices times x, over the groups g = first, first + step, ...
+// (one lane's share); acc[j * R + r] gets matrix j, row row0 + r. The R rows share each load of x.
+template <class B, int NW, int R>
+__device__ __forceinline__ void row_dots(const Planes* w, int row0, int m, int k, int first, int step,
                                          const signed char* __restrict__ xq, const signed char* __restrict__ xq2,
-                                         const float2* __restrict__ xds, float (&acc)[NW]) {
+                                         const float2* __restrict__ xds, float (&acc)[NW * R]) {
     const int n_groups = k / 32;
 #pragma unroll 2
     for (int g = first; g < n_groups; g += step) {
@@ -44,42 +45,50 @@ __device__ __forceinline__ void row_dots(const Planes* w, int row, int k, int fi
                             __ldg(reinterpret_cast<const int4*>(xq2 + 32 * (long)g + 16))};
         const float2 ds = __ldg(xds + g);
 #pragma unroll
-        for (int j = 0; j < NW; ++j) {
-            int q[8];
-            float sc[2], mn;
-            decode_group<B>(w[j], row, k, g, q, sc, mn);
-            acc[j] += group_dot(q, xv, sc, mn, ds);
+        for (int r = 0; r < R; ++r) {
+            if (R > 1 && row0 + r >= m) break;
+#pragma unroll
+            for (int j = 0; j < NW; ++j) {
+                int q[8];
+                float sc[2], mn;
+                decode_group<B>(w[j], row0 + r, k, g, q, sc, mn);
+                acc[j * R + r] += group_dot(q, xv, sc, mn, ds);
+            }
         }
     }
 }
 
-// A block of 4 warps covers 4 / WPR rows; the WPR warps of a row split its groups (more loads in flight for
-// long rows) and add up through shared memory. NW = 2 is the fused gate/up pair: out = act(gate.x) * (up.x).
-template <class B, int NW, int WPR>
+// A block of 4 warps covers 4 / WPR row sets of R rows; the WPR warps of a row set split its groups (more loads
+// in flight for long rows) and add up through shared memory. NW = 2 is the fused gate/up pair:
+// out = act(gate.x) * (up.x).
+template <class B, int NW, int WPR, int R>
 __device__ __forceinline__ void matvec_q(const Planes* w, const signed char* xq, const signed char* xq2,
                                          const float2* xds, float* __restrict__ out, int m, int k, int act) {
-    __shared__ float part[NW][4];
+    __shared__ float part[NW * R][4];
     const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
-    const int row = blockIdx.x * (4 / WPR) + warp / WPR;
-    float acc[NW];
+    const int row0 = (blockIdx.x * (4 / WPR) + warp / WPR) * R;
+    float acc[NW * R];
 #pragma unroll
-    for (int j = 0; j < NW; ++j) acc[j] = 0.0f;
-    if (row < m) row_dots<B, NW>(w, row, k, (warp % WPR) * 32 + lane, 32 * WPR, xq, xq2, xds, acc);
+    for (int j = 0; j < NW * R; ++j) acc[j] = 0.0f;
+    if (row0 < m) row_dots<B, NW, R>(w, row0, m, k, (warp % WPR) * 32 + lane, 32 * WPR, xq, xq2, xds, acc);
 #pragma unroll
-    for (int j = 0; j < NW; ++j) acc[j] = warp_sum(acc[j]);
+    for (int j = 0; j < NW * R; ++j) acc[j] = warp_sum(acc[j]);
     if (WPR > 1) {
         if (lane == 0)
 #pragma unroll
-            for (int j = 0; j < NW; ++j) part[j][warp] = acc[j];
+            for (int j = 0; j < NW * R; ++j) part[j][warp] = acc[j];
         __syncthreads();
 #pragma unroll
-        for (int j = 0; j < NW; ++j) {
+        for (int j = 0; j < NW * R; ++j) {
             float total = 0.0f;
             for (int s = 0; s < WPR; ++s) total += part[j][warp - warp % WPR + s];
             acc[j] = total;
         }
     }
-    if (lane == 0 && warp % WPR == 0 && row < m) out[row] = NW == 2 ? activate(acc[0], act) * acc[NW - 1] : acc[0];
+    if (lane == 0 && warp % WPR == 0)
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+            if (row0 + r < m) out[row0 + r] = NW == 2 ? activate(acc[r], act) * acc[R + r] : acc[r];
 }
 
 // Fused gate/up for decode that also quantizes its output for the down projection: a block of 16 warps makes 32
@@ -90,12 +99,12 @@ __device__ __forceinline__ void matvec_glu_q8(const Planes* w, const signed char
                                               signed char* oq, signed char* oq2, float2* ods) {
     __shared__ float vals[32];
     const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    row_dots<B, 2, 2>(w, blockIdx.x * 32 + 2 * warp, blockIdx.x * 32 + 32, k, lane, 32, xq, xq2, xds, acc);
+#pragma unroll
     for (int r = 0; r < 2; ++r) {
-        const int local = 2 * warp + r;
-        float acc[2] = {0.0f, 0.0f};
-        row_dots<B, 2>(w, blockIdx.x * 32 + local, k, lane, 32, xq, xq2, xds, acc);
-        const float g = warp_sum(acc[0]), u = warp_sum(acc[1]);
-        if (lane == 0) vals[local] = activate(g, act) * u;
+        const float g = warp_sum(acc[r]), u = warp_sum(acc[2 + r]);
+        if (lane == 0) vals[2 * warp + r] = activate(g, act) * u;
     }
     __syncthreads();
     if (warp == 0) {
@@ -110,26 +119,38 @@ __device__ __forceinline__ void matvec_glu_q8(const Planes* w, const signed char
                                                   const signed char* xq, const signed char* xq2,             \
                                                   const float2* xds, float* out, int m, int k) {             \
         const Planes w[1] = {{q, h, s, d}};                                                                    \
-        matvec_q<B, 1, 1>(w, xq, xq2, xds, out, m, k, 0);                                                      \
+        matvec_q<B, 1, 1, 1>(w, xq, xq2, xds, out, m, k, 0);                                                      \
     }                                                                                                          \
     extern "C" __global__ void matvec_##name##_w2(const u8* q, const u8* h, const u8* s, const u8* d,        \
                                                   const signed char* xq, const signed char* xq2,             \
                                                   const float2* xds, float* out, int m, int k) {             \
         const Planes w[1] = {{q, h, s, d}};                                                                    \
-        matvec_q<B, 1, 2>(w, xq, xq2, xds, out, m, k, 0);                                                      \
+        matvec_q<B, 1, 2, 1>(w, xq, xq2, xds, out, m, k, 0);                                                      \
     }                                                                                                          \
     extern "C" __global__ void matvec_##name##_w4(const u8* q, const u8* h, const u8* s, const u8* d,        \
                                                   const signed char* xq, const signed char* xq2,             \
                                                   const float2* xds, float* out, int m, int k) {             \
         const Planes w[1] = {{q, h, s, d}};                                                                    \
-        matvec_q<B, 1, 4>(w, xq, xq2, xds, out, m, k, 0);                                                      \
+        matvec_q<B, 1, 4, 1>(w, xq, xq2, xds, out, m, k, 0);                                                      \
+    }                                                                                                          \
+    extern "C" __global__ void matvec_##name##_w1_r2(const u8* q, const u8* h, const u8* s, const u8* d,     \
+                                                     const signed char* xq, const signed char* xq2,          \
+                                                     const float2* xds, float* out, int m, int k) {          \
+        const Planes w[1] = {{q, h, s, d}};                                                                    \
+        matvec_q<B, 1, 1, 2>(w, xq, xq2, xds, out, m, k, 0);                                                   \
+    }                                                                                                          \
+    extern "C" __global__ void matvec_##name##_w2_r2(const u8* q, const u8* h, const u8* s, const u8* d,     \
+                                                     const signed char* xq, const signed char* xq2,          \
+                                                     const float2* xds, float* out, int m, int k) {          \
+        const Planes w[1] = {{q, h, s, d}};                                                                    \
+        matvec_q<B, 1, 2, 2>(w, xq, xq2, xds, out, m, k, 0);                                                   \
     }                                                                                                          \
     extern "C" __global__ void matvec_glu_##name(const u8* q, const u8* h, const u8* s, const u8* d,         \
                                                  const u8* q2, const u8* h2, const u8* s2, const u8* d2,      \
                                                  const signed char* xq, const signed char* xq2,              \
                                                  const float2* xds, float* out, int m, int k, int act) {      \
         const Planes w[2] = {{q, h, s, d}, {q2, h2, s2, d2}};                                                  \
-        matvec_q<B, 2, 1>(w, xq, xq2, xds, out, m, k, act);                                                    \
+        matvec_q<B, 2, 1, 1>(w, xq, xq2, xds, out, m, k, act);                                                    \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(512) matvec_glu_q8_##name(const u8* q, const u8* h, const u8* s, const u8* d,      \
                                                     const u8* q2, const u8* h2, const u8* s2, const u8* d2,   \
