@@ -84,9 +84,6 @@ def _blocks(n: int, per_block: int) -> int:
 
 # ---- matrix-vector (decode) --------------------------------------------------------------------------
 
-WARP_SLOTS = 132 * 64  # resident warps on an H200 (132 SMs x 64); below this, split rows over more warps
-
-
 @dataclass
 class Q8:
     """One activation row quantized to two-level int8 groups (see quantize_group in quant_blocks.cuh)."""
@@ -116,13 +113,14 @@ def quantize_q8(x: Any, q8: Q8) -> None:
     kernel("matvec", "quantize_q8")((_blocks(groups, 8),), (256,), (x, *q8.args(), i32(groups)))
 
 
-def matvec_shape(m: int, k: int) -> tuple[int, int]:
-    """(warps per row set, rows per set) for an (m, k) product: split rows over 2 or 4 warps while that adds
-    warps the GPU can hold and leaves each lane a group."""
-    wpr, groups = 1, k // 32
-    while wpr < 4 and m * wpr < WARP_SLOTS and groups // (64 * wpr) >= 1:
-        wpr *= 2
-    return wpr, 1
+def matvec_shape(m: int, k: int, qtype: T) -> tuple[int, int]:
+    """(warps per row set, rows per set) for an (m, k) product, from timings on an H200 (bench/gpu_kernels.py,
+    bench/RESULTS.md): 32-weight block types gain from two rows sharing the loads of x and from two warps a row
+    set except on very tall matrices; super-block types decode more per group and do best with one row, split
+    over two warps only for long rows."""
+    if qtype in (T.Q4_K, T.Q5_K, T.Q6_K):
+        return (2 if k >= 8192 else 1), 1
+    return (1 if m >= 65536 else 2), (2 if m >= 3072 else 1)
 
 
 def matvec(w: GpuWeight, x: Any, q8: Q8 | None, out: Any, shape: tuple[int, int] | None = None) -> None:
@@ -131,7 +129,7 @@ def matvec(w: GpuWeight, x: Any, q8: Q8 | None, out: Any, shape: tuple[int, int]
     warps) share their loads of x; matvec_shape picks it by default."""
     m, k = w.shape
     if w.quantized:
-        wpr, rows = shape or matvec_shape(m, k)
+        wpr, rows = shape or matvec_shape(m, k, w.qtype)
         fn = kernel("matvec", f"matvec_{w.suffix}_w{wpr}" + ("_r2" if rows == 2 else ""))
         fn((_blocks(m * wpr, WARPS * rows),), (32 * WARPS,), (*w.args(), *q8.args(), out, i32(m), i32(k)))
     else:
