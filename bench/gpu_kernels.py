@@ -99,7 +99,6 @@ def bench_matvec(rng):
                                   "GB/s": round(nbytes * (2 if "glu" in name else 1) / t / 1e9, 1), "default": K.matvec_shape(m, k, qtype),
                                   "fraction_of_4.3TB/s": round(nbytes * (2 if "glu" in name else 1) / t / BANDWIDTH, 3)}),
                       flush=True)
-            del ws
 
 
 def bench_prompt(rng):
@@ -118,7 +117,6 @@ def bench_prompt(rng):
                                   "dequant_us": round(t_deq * 1e6, 1), "gemm_us": round(t_mm * 1e6, 1),
                                   "gemm_TFLOP/s": round(flops / t_mm / 1e12, 1),
                                   "total_TFLOP/s": round(flops / (t_mm + t_deq) / 1e12, 1)}), flush=True)
-            del ws, scratch
 
 
 def bench_copy():
