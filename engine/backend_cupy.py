@@ -145,6 +145,11 @@ class CupyBackend:
         if len(shape) == 1:
             values = quants.dequantize(tensor.raw, tensor.qtype, shape).astype(np.float32)
             return self._hold(K.GpuWeight(tensor.name, shape, quants.T.F32, cupy.asarray(values), ()))
+        if len(shape) == 3:
+            raise EngineError(
+                f"Tensor {tensor.name} holds mixture-of-experts weights (shape {shape}), which the GPU backend does "
+                "not run yet. Run this model on the CPU with device='cpu'."
+            )
         if not supported(tensor.qtype) or len(shape) != 2:
             raise EngineError(
                 f"Tensor {tensor.name} is stored as {tensor.qtype.name} with shape {shape}, which the GPU backend "
