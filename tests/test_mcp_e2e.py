@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import anyio
 import pytest
+from conftest import register_model
 from mcp_support import call, call_error, connect
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
@@ -159,3 +160,17 @@ async def test_stop_refuses_a_running_chat_unless_forced(installed_data_dir):
         assert stopped["stopped_model"] == "smollm2-135m-instruct"
     chat = results["chat"]
     assert not chat.is_error and chat.structured_content["finish_reason"] == "cancelled"
+
+
+async def test_gemma_base_model_continues_text(tmp_path, gemma3_gguf):
+    data = tmp_path / "data"
+    register_model(data, "gemma-3-270m", gemma3_gguf)
+    async with connect(data) as session:
+        offered = await call(session, "choose_model", goal="speed")
+        assert "gemma-3-270m" not in [m["id"] for m in offered["not_supported"]]
+        started = await call(session, "start", model="gemma-3-270m", device="cpu", wait_seconds=300)
+        assert started["engine"]["state"] == "ready"
+        refused = await call_error(session, "chat", prompt="Hello")
+        assert "raw=true" in refused
+        text = await call(session, "chat", prompt="The capital of France is", raw=True, temperature=0, max_tokens=8)
+        assert text["timings"]["completion_tokens"] >= 1 and text["text"].strip()

@@ -9,7 +9,7 @@ from pydantic import BaseModel, Field, model_validator
 
 from engine import GenerationSettings
 from strata_mcp.reports import ChatTimings
-from strata_mcp.runtime import Runtime
+from strata_mcp.runtime import Runtime, UserError
 from strata_mcp.tooling import Reporter, ToolSpec
 
 
@@ -31,6 +31,9 @@ class ChatInput(BaseModel):
     repeat_penalty: float = Field(1.0, ge=0.5, le=3, description="Penalty for tokens already in the text (1 = off).")
     seed: int | None = Field(None, ge=0, description="Fixes the sampling for a reproducible answer.")
     stop: list[str] = Field(default_factory=list, max_length=16, description="Stop when any of these strings appears.")
+    raw: bool = Field(
+        False, description="With prompt: continue the text as it is, without the chat template (for base models that have none)."
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> ChatInput:
@@ -38,6 +41,8 @@ class ChatInput(BaseModel):
             raise ValueError("give either messages or prompt, not both and not neither")
         if self.messages is not None and not self.messages:
             raise ValueError("messages is empty; include at least the user's message")
+        if self.raw and self.prompt is None:
+            raise ValueError("raw continues a prompt; give prompt instead of messages")
         return self
 
     def conversation(self) -> list[dict[str, str]]:
@@ -68,10 +73,16 @@ def run(runtime: Runtime, args: ChatInput, reporter: Reporter) -> ChatOutput:
             pieces.append(text)
             reporter.progress(len(pieces), args.max_tokens, "".join(pieces)[-200:])
 
-        result = model.chat(
-            args.conversation(), args.settings(), on_text=on_text,
-            should_stop=lambda: cancel_event.is_set() or reporter.cancelled(),
-        )
+        if not args.raw and not model.info.has_chat_template:
+            raise UserError(
+                f"{runtime.slot.model_id} is a base model with no chat template; call chat with prompt and raw=true "
+                "to have it continue the text."
+            )
+        should_stop = lambda: cancel_event.is_set() or reporter.cancelled()  # noqa: E731
+        if args.raw:
+            result = model.complete(args.prompt or "", args.settings(), on_text=on_text, should_stop=should_stop)
+        else:
+            result = model.chat(args.conversation(), args.settings(), on_text=on_text, should_stop=should_stop)
     timings = ChatTimings(
         prompt_tokens=result.prompt_tokens, cached_prompt_tokens=result.cached_prompt_tokens,
         completion_tokens=result.completion_tokens, prompt_seconds=result.prompt_seconds,
