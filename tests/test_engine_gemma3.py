@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from test_tokenizer import CORPUS
+from transformers_reference import load_reference_model, reference_logits
 
 from engine import load_model
 
@@ -31,12 +32,7 @@ def engine_model(gemma3_gguf):
 
 @pytest.fixture(scope="module")
 def hf_model(gemma3_gguf):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    torch.set_num_threads(2)
-    model = AutoModelForCausalLM.from_pretrained(gemma3_gguf.parent, gguf_file=gemma3_gguf.name, dtype=torch.float32)
-    return model.eval()
+    return load_reference_model(gemma3_gguf)
 
 
 @pytest.fixture(scope="module")
@@ -53,13 +49,10 @@ def test_the_file_is_gemma3(engine_model):
 
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_logits_match_transformers(engine_model, hf_model, prompt):
-    import torch
-
     ids = engine_model.tokenizer.encode(prompt)
     assert ids[0] == engine_model.tokenizer.bos_id
     ours, _ = engine_model.prompt_logits(ids, all_positions=True)
-    with torch.no_grad():
-        theirs = hf_model(torch.tensor([ids])).logits[0].float().numpy()
+    theirs = reference_logits(hf_model, ids)
     assert ours.shape == theirs.shape == (len(ids), 262144)
     spread = theirs.max(axis=-1) - theirs.min(axis=-1)
     error = float(np.max(np.abs(ours - theirs).max(axis=-1) / spread))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from transformers_reference import load_reference_model, reference_logits
 
 from engine import GenerationSettings, load_model
 
@@ -25,26 +26,14 @@ def engine_model(smollm2_gguf):
 
 @pytest.fixture(scope="module")
 def hf_model(smollm2_gguf):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    torch.set_num_threads(2)
-    model = AutoModelForCausalLM.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32)
-    return model.eval()
-
-
-def hf_logits(hf_model, ids):
-    import torch
-
-    with torch.no_grad():
-        return hf_model(torch.tensor([ids])).logits[0].float().numpy()
+    return load_reference_model(smollm2_gguf)
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_logits_match_transformers_at_every_position(engine_model, hf_model, prompt):
     ids = engine_model.tokenizer.encode(prompt)
     ours, reused = engine_model.prompt_logits(ids, all_positions=True)
-    theirs = hf_logits(hf_model, ids)
+    theirs = reference_logits(hf_model, ids)
     assert ours.shape == theirs.shape == (len(ids), engine_model.info.vocab_size) and reused == 0
     diff = np.abs(ours - theirs).max(axis=-1)
     spread = theirs.max(axis=-1) - theirs.min(axis=-1)
@@ -55,7 +44,7 @@ def test_logits_match_transformers_at_every_position(engine_model, hf_model, pro
 def test_decode_steps_match_transformers(engine_model, hf_model, prompt):
     # One token at a time through the cache (the decode path) gives the same logits as the full sequence.
     ids = engine_model.tokenizer.encode(prompt)
-    theirs = hf_logits(hf_model, ids)
+    theirs = reference_logits(hf_model, ids)
     engine_model.prompt_logits(ids[:2], all_positions=True)
     for k in range(3, len(ids) + 1):
         ours, reused = engine_model.prompt_logits(ids[:k])
