@@ -37,6 +37,11 @@ _RAM_PER_VOCAB_TOKEN = 1400
 # figures for CUDA 12 on consumer cards; not yet measured against our engine.
 _CUDA_CONTEXT_BYTES = 450 * MIB
 _CUDA_HOST_BYTES = 300 * MIB
+# The NumPy CPU path is bound by reading its float32 weights once per token: 21 GB/s was measured on a 2-core
+# EPYC cloud machine (bench/bench_engine.py). Below _MIN_CPU_TOKENS_PER_S an answer takes minutes, so such a
+# model is not offered for the CPU even when it fits in RAM.
+_CPU_DECODE_BYTES_PER_S = 20e9
+_MIN_CPU_TOKENS_PER_S = 2.0
 # Tiny demo models answer fast but poorly; "speed" picks them only when nothing better fits.
 _MIN_USEFUL_QUALITY = 3.0
 
@@ -319,22 +324,44 @@ def _fit(model: CatalogModel, budget: _Budget, prefs: Preferences, engine: Engin
         )
     target = wanted or min(DEFAULT_CONTEXT, model.context_max)
     floor = wanted or min(MIN_CONTEXT, model.context_max)
+    too_slow = None
     for level in _levels(model, engine, budget):
+        if level == "cpu" and cpu_tokens_per_second(model, engine) < _MIN_CPU_TOKENS_PER_S:
+            too_slow = _why_too_slow(model, engine, budget)
+            continue
         largest = _largest_context(model, level, engine, budget)
         if largest is not None and largest >= floor:
             context = min(target, largest)
             estimate = _place(model, context, level, engine, budget)
             return FitResult(
                 model_id=model.id, level=level, context_length=context, largest_context_that_fits=largest,
-                memory=estimate, reason=_why_fits(estimate, target, budget),
+                memory=estimate, reason=_why_fits(estimate, target, budget, cpu_tokens_per_second(model, engine)),
             )
     return FitResult(
         model_id=model.id, level="none", context_length=None, largest_context_that_fits=None, memory=None,
-        reason=_why_not(model, floor, engine, budget),
+        reason=_why_not(model, floor, engine, budget, too_slow),
     )
 
 
-def _why_fits(e: MemoryEstimate, target: int, budget: _Budget) -> str:
+def cpu_bytes_read_per_token(model: CatalogModel, engine: EngineProfile) -> float:
+    active = (model.active_params_b or model.params_b) * 1e9
+    return active * 4 if engine.cpu_weights_dequantized_to_f32 else bytes_read_per_token(model)
+
+
+def cpu_tokens_per_second(model: CatalogModel, engine: EngineProfile) -> float:
+    """Rough decode speed of the CPU path: memory-bound, one pass over the weights per token."""
+    return _CPU_DECODE_BYTES_PER_S / cpu_bytes_read_per_token(model, engine)
+
+
+def _why_too_slow(model: CatalogModel, engine: EngineProfile, budget: _Budget) -> str:
+    gpu_hint = "" if budget.vram > 0 else "; on an NVIDIA GPU it would run far faster"
+    return (
+        f"Too slow on this PC's CPU: it reads {gb(cpu_bytes_read_per_token(model, engine))} of weights per token, "
+        f"about {cpu_tokens_per_second(model, engine):.1f} tokens/s{gpu_hint}."
+    )
+
+
+def _why_fits(e: MemoryEstimate, target: int, budget: _Budget, cpu_speed: float) -> str:
     tokens = f"{e.context_length} tokens of context"
     if e.level == "gpu":
         text = f"Runs on the GPU ({budget.gpu_name}): {gb(e.vram_bytes)} of the {gb(budget.vram)} free VRAM with {tokens}"
@@ -346,6 +373,7 @@ def _why_fits(e: MemoryEstimate, target: int, budget: _Budget) -> str:
     else:
         where = " because it is too big for the GPU" if budget.vram > 0 else ""
         text = f"Runs on the CPU{where}: {gb(e.ram_required_bytes)} of the {gb(budget.ram)} RAM available with {tokens}"
+        text += f", about {cpu_speed:.0f} tokens/s"
         if budget.avx2 is False:
             text += "; AVX2 missing: CPU inference will be slow"
     if e.context_length < target:
@@ -353,7 +381,7 @@ def _why_fits(e: MemoryEstimate, target: int, budget: _Budget) -> str:
     return text + "."
 
 
-def _why_not(model: CatalogModel, context: int, engine: EngineProfile, budget: _Budget) -> str:
+def _why_not(model: CatalogModel, context: int, engine: EngineProfile, budget: _Budget, cpu_too_slow: str | None) -> str:
     needs = []
     if budget.vram > 0:
         gpu = estimate_memory(model, context, "gpu", engine)
@@ -363,6 +391,10 @@ def _why_not(model: CatalogModel, context: int, engine: EngineProfile, budget: _
             needs.append(
                 f"{gb(split.vram_bytes)} of VRAM and {gb(split.ram_required_bytes)} of RAM with its experts in RAM"
             )
+    if cpu_too_slow is not None:
+        if not needs:
+            return cpu_too_slow
+        return f"Too big for the GPU even with {context} tokens of context: it needs " + ", or ".join(needs) + f". {cpu_too_slow}"
     cpu = estimate_memory(model, context, "cpu", engine)
     needs.append(f"{gb(cpu.ram_required_bytes)} of RAM on the CPU ({gb(budget.ram)} available)")
     return f"Too big for this PC even with {context} tokens of context: it needs " + ", or ".join(needs) + "."

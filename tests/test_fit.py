@@ -119,10 +119,11 @@ TABLE = [
      ("gemma-3-1b-it", "cpu", 8192, ["Runs on the CPU:", "of the 6 GB RAM available", "best model for chat"])),
     ("16 GB RAM, no GPU, no AVX2", pc(16, 13, avx2=False), "chat", ENGINE, {},
      ("gemma-3-1b-it", "cpu", 8192, ["Runs on the CPU", "AVX2 missing: CPU inference will be slow"])),
+    # The NumPy CPU path reads float32 weights: models past ~2.5B parameters would answer at under 2 tokens/s.
     ("32 GB RAM, no GPU", pc(32, 28), "code", ENGINE, {},
-     ("qwen3-4b", "cpu", 8192, ["Runs on the CPU:", "18 GB of the 28 GB", "best model for code"])),
+     ("gemma-3-1b-it", "cpu", 8192, ["Runs on the CPU:", "of the 28 GB", "tokens/s", "no model made for code"])),
     ("64 GB RAM, no GPU", pc(64, 58), "quality", ENGINE, {},
-     ("gemma-3-12b-it", "cpu", 8192, ["Runs on the CPU", "highest-quality"])),
+     ("gemma-3-1b-it", "cpu", 8192, ["Runs on the CPU", "highest-quality"])),
     ("16 GB RAM, 8 GB card", pc(16, 12, [("RTX 4060", 8, 7.5)]), "speed", ENGINE, {},
      ("llama-3.2-3b-instruct", "gpu", 8192, ["Runs on the GPU (RTX 4060)", "fastest useful model", "1.9 GB"])),
     ("32 GB RAM, 8 GB card", pc(32, 26, [("RTX 4060", 8, 7.5)]), "code", ENGINE, {},
@@ -208,7 +209,8 @@ def test_context_longer_than_the_model_allows_is_refused_per_model():
     assert rec.choice.model_id == "llama-3.1-8b-instruct" and rec.choice.context_length == 65536
     assert "no model made for code fits, so the best other model" in rec.choice.why
     reason = next(r.reason for r in rec.not_fitting if r.id == "qwen3-coder-30b-a3b-instruct")
-    assert reason.startswith("Too big for this PC even with 65536 tokens of context: it needs 23 GB of VRAM on the GPU")
+    assert reason.startswith("Too big for the GPU even with 65536 tokens of context: it needs 23 GB of VRAM on the GPU")
+    assert "Too slow on this PC's CPU" in reason
 
 
 def test_small_models_keep_their_own_maximum():
@@ -220,6 +222,14 @@ def test_installed_models_are_flagged():
     rec = recommend(pc(32, 26, [("RTX 4060", 8, 7.5)]), load_catalog(), Preferences(goal="code"), ENGINE,
                     installed_ids={"qwen3-8b"})
     assert rec.choice.installed and not any(a.installed for a in rec.alternatives)
+
+
+def test_models_too_slow_for_the_cpu_path_are_explained():
+    rec = recommend(pc(128, 120), load_catalog(), Preferences(goal="quality"), ENGINE)
+    slow = {r.id: r.reason for r in rec.not_fitting}
+    assert "Too slow on this PC's CPU" in slow["qwen3-8b"] and "tokens/s" in slow["qwen3-8b"]
+    assert "on an NVIDIA GPU it would run far faster" in slow["qwen3-8b"]
+    assert rec.choice is not None and rec.choice.level == "cpu"
 
 
 def test_budgets_come_from_the_best_gpu_and_available_ram():
