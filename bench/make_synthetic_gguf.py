@@ -1,8 +1,16 @@
-"""Writes a Llama-shaped GGUF of random quantized blocks, for speed tests of geometries no embedded model has
-(decode speed does not depend on the weight values). Every matrix gets the one type asked for, norms are F32,
-and a minimal byte-level tokenizer makes the file loadable by engine.load_model.
+"""Writes a GGUF of random quantized blocks in the geometry of a real model, for speed and memory tests of
+geometries no embedded model has (decode speed does not depend on the weight values): Llama 1.2B/8B, a
+Qwen3-8B (QK-norm) and a Qwen3-30B-A3B mixture of experts. Norms are F32 ones, and a minimal byte-level
+tokenizer makes the file loadable by engine.load_model.
 
-Usage: python bench/make_synthetic_gguf.py OUT.gguf --shape 1.2b|8b --type Q4_0|Q4_K|...
+--type names one GGML type for every matrix, or Q4_K_M for llama.cpp's usual mix in that file type: Q4_K for
+most matrices, Q6_K for ffn_down, attn_v and the output head (llama.cpp gives Q6_K to only some ffn_down and
+attn_v layers; all of them here, so the speed figures are a little pessimistic).
+
+Large tensors repeat a 32 MiB pool of random blocks from a random block offset: the bytes a kernel reads still
+lie at their own addresses, and writing a 20 GB file stays a memory copy instead of 20 GB of random numbers.
+
+Usage: python bench/make_synthetic_gguf.py OUT.gguf --shape 1.2b|8b|qwen3-8b|qwen3-30b-a3b --type Q4_0|Q4_K|Q4_K_M|...
 """
 
 from __future__ import annotations
@@ -17,52 +25,87 @@ from gguf import GGMLQuantizationType, GGUFWriter
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine import quants  # noqa: E402
-from engine.kernels.gpu_layout import random_blocks  # noqa: E402
+from engine.kernels.gpu_layout import PLANES, random_blocks  # noqa: E402
 from engine.tokenizer import byte_alphabet  # noqa: E402
 
-# hidden, layers, ffn, heads, kv heads, vocab, tied embeddings (Llama 3.2 1B ties them, Llama 3 8B does not)
+T = GGMLQuantizationType
+# hidden, layers, ffn, heads, kv heads, vocab, tied embeddings (Llama 3.2 1B ties them, Llama 3 8B does not);
+# Qwen3 adds head_dim and QK-norm, the MoE its experts (ffn is then one expert's).
 SHAPES = {
     "1.2b": dict(hidden=2048, layers=16, ffn=8192, heads=32, kv_heads=8, vocab=128256, tied=True),
     "8b": dict(hidden=4096, layers=32, ffn=14336, heads=32, kv_heads=8, vocab=128256, tied=False),
+    "qwen3-8b": dict(arch="qwen3", hidden=4096, layers=36, ffn=12288, heads=32, kv_heads=8, head_dim=128,
+                     vocab=151936, tied=False),
+    "qwen3-30b-a3b": dict(arch="qwen3moe", hidden=2048, layers=48, ffn=768, heads=32, kv_heads=4, head_dim=128,
+                          vocab=151936, tied=False, experts=128, experts_used=8),
 }
+ROLES = ("token_embd", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "output")
+Q4_K_M = {role: (T.Q6_K if role in ("attn_v", "ffn_down", "output") else T.Q4_K) for role in ROLES}
+POOL_BYTES = 32 << 20
 
 
-def random_matrix(qtype: GGMLQuantizationType, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+def type_mix(name: str) -> dict[str, T]:
+    """GGML type per matrix role for a --type argument."""
+    return dict(Q4_K_M) if name == "Q4_K_M" else {role: T[name] for role in ROLES}
+
+
+def _quantized_bytes(qtype: T, n_blocks: int, rng: np.random.Generator, pools: dict) -> np.ndarray:
+    if qtype not in PLANES:
+        # Types the GPU path refuses (K-quants below 4 bits, IQ types): random bytes, only ever loaded to be refused.
+        return rng.integers(0, 256, size=n_blocks * quants.block_layout(qtype)[1], dtype=np.uint8)
+    block_bytes = quants.block_layout(qtype)[1]
+    pool_blocks = POOL_BYTES // block_bytes
+    if n_blocks <= pool_blocks:
+        return random_blocks(qtype, n_blocks, rng)
+    if qtype not in pools:
+        pools[qtype] = random_blocks(qtype, pool_blocks, rng)
+    start = int(rng.integers(pool_blocks)) * block_bytes
+    return np.resize(np.roll(pools[qtype], -start), n_blocks * block_bytes)
+
+
+def random_matrix(qtype: T, rows: int, cols: int, rng: np.random.Generator, pools: dict | None = None) -> np.ndarray:
     """A (rows, cols) weight of type qtype with values of about 0.02, as the writer takes it (bytes per row
     for quantized types)."""
-    floats = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16}
+    floats = {T.F32: np.float32, T.F16: np.float16}
     if qtype in floats:
         return (rng.standard_normal((rows, cols), np.float32) * 0.02).astype(floats[qtype])
-    if qtype == GGMLQuantizationType.BF16:
+    if qtype == T.BF16:
         values = (rng.standard_normal((rows, cols), np.float32) * 0.02).view(np.uint32) >> 16
         return values.astype(np.uint16).view(np.uint8).reshape(rows, 2 * cols)
     elements, block_bytes = quants.block_layout(qtype)
-    return random_blocks(qtype, rows * cols // elements, rng).reshape(rows, cols // elements * block_bytes)
+    data = _quantized_bytes(qtype, rows * cols // elements, rng, {} if pools is None else pools)
+    return data.reshape(rows, cols // elements * block_bytes)
 
 
-def add_matrix(w: GGUFWriter, name: str, qtype: GGMLQuantizationType, rows: int, cols: int, rng) -> None:
-    data = random_matrix(qtype, rows, cols, rng)
+def add_matrix(w: GGUFWriter, name: str, qtype: T, rows: int, cols: int, rng, shape: tuple[int, ...] | None = None,
+               pools: dict | None = None) -> None:
+    """Add a random (rows, cols) weight; shape (row-major, last dim cols) stacks it, e.g. (experts, f, cols)."""
+    data = random_matrix(qtype, rows, cols, rng, pools)
+    if shape is not None:
+        data = data.reshape(*shape[:-1], data.shape[-1])
     if data.dtype == np.uint8:
         w.add_tensor(name, data, raw_dtype=qtype)
     else:
         w.add_tensor(name, data)
 
 
-def write_model(path: Path, s: dict, qtype: GGMLQuantizationType, name: str, seed: int = 0) -> None:
-    """Write the model of geometry s (a SHAPES entry) with every matrix of type qtype."""
-    rng = np.random.default_rng(seed)
-    w = GGUFWriter(str(path), "llama")
-    w.add_name(name)
+def _metadata(w: GGUFWriter, s: dict, head_dim: int) -> None:
     w.add_context_length(8192)
     w.add_embedding_length(s["hidden"])
     w.add_block_count(s["layers"])
     w.add_feed_forward_length(s["ffn"])
     w.add_head_count(s["heads"])
     w.add_head_count_kv(s["kv_heads"])
-    w.add_rope_freq_base(500000.0)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_dimension_count(s["hidden"] // s["heads"])
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_freq_base(500000.0 if s.get("arch", "llama") == "llama" else 1000000.0)
+    w.add_layer_norm_rms_eps(1e-5 if s.get("arch", "llama") == "llama" else 1e-6)
+    w.add_rope_dimension_count(head_dim)
     w.add_vocab_size(s["vocab"])
+    if "experts" in s:
+        w.add_expert_count(s["experts"])
+        w.add_expert_used_count(s["experts_used"])
+        w.add_expert_feed_forward_length(s["ffn"])
     # A byte-level BPE vocabulary: the 256 byte symbols, one merge, then filler tokens up to the vocab size.
     symbols = list(byte_alphabet().values())
     tokens = symbols + ["ab"] + [f"<filler{i}>" for i in range(s["vocab"] - len(symbols) - 1)]
@@ -73,22 +116,50 @@ def write_model(path: Path, s: dict, qtype: GGMLQuantizationType, name: str, see
     w.add_bos_token_id(0)
     w.add_eos_token_id(1)
 
-    hidden, ffn, kv = s["hidden"], s["ffn"], s["kv_heads"] * (s["hidden"] // s["heads"])
+
+def write_model(path: Path, s: dict, qtype: T | dict[str, T], name: str, seed: int = 0) -> None:
+    """Write the model of geometry s (a SHAPES entry) with every matrix of type qtype, or per role from a
+    type_mix dict."""
+    types = qtype if isinstance(qtype, dict) else {role: qtype for role in ROLES}
+    rng = np.random.default_rng(seed)
+    pools: dict = {}
+    arch = s.get("arch", "llama")
+    head_dim = s.get("head_dim", s["hidden"] // s["heads"])
+    w = GGUFWriter(str(path), arch)
+    w.add_name(name)
+    _metadata(w, s, head_dim)
+
+    def matrix(tensor: str, role: str, rows: int, cols: int, shape=None) -> None:
+        add_matrix(w, tensor, types[role], rows, cols, rng, shape, pools)
+
+    hidden, ffn = s["hidden"], s["ffn"]
+    q_dim, kv = s["heads"] * head_dim, s["kv_heads"] * head_dim
     norm = np.ones(hidden, np.float32)
-    add_matrix(w, "token_embd.weight", qtype, s["vocab"], hidden, rng)
+    matrix("token_embd.weight", "token_embd", s["vocab"], hidden)
     for i in range(s["layers"]):
         w.add_tensor(f"blk.{i}.attn_norm.weight", norm)
-        add_matrix(w, f"blk.{i}.attn_q.weight", qtype, hidden, hidden, rng)
-        add_matrix(w, f"blk.{i}.attn_k.weight", qtype, kv, hidden, rng)
-        add_matrix(w, f"blk.{i}.attn_v.weight", qtype, kv, hidden, rng)
-        add_matrix(w, f"blk.{i}.attn_output.weight", qtype, hidden, hidden, rng)
+        matrix(f"blk.{i}.attn_q.weight", "attn_q", q_dim, hidden)
+        matrix(f"blk.{i}.attn_k.weight", "attn_k", kv, hidden)
+        matrix(f"blk.{i}.attn_v.weight", "attn_v", kv, hidden)
+        matrix(f"blk.{i}.attn_output.weight", "attn_output", hidden, q_dim)
+        if arch != "llama":
+            w.add_tensor(f"blk.{i}.attn_q_norm.weight", np.ones(head_dim, np.float32))
+            w.add_tensor(f"blk.{i}.attn_k_norm.weight", np.ones(head_dim, np.float32))
         w.add_tensor(f"blk.{i}.ffn_norm.weight", norm)
-        add_matrix(w, f"blk.{i}.ffn_gate.weight", qtype, ffn, hidden, rng)
-        add_matrix(w, f"blk.{i}.ffn_up.weight", qtype, ffn, hidden, rng)
-        add_matrix(w, f"blk.{i}.ffn_down.weight", qtype, hidden, ffn, rng)
+        if "experts" in s:
+            e = s["experts"]
+            # The router stays F32, as llama.cpp keeps it.
+            w.add_tensor(f"blk.{i}.ffn_gate_inp.weight", (rng.standard_normal((e, hidden), np.float32) * 0.02))
+            matrix(f"blk.{i}.ffn_gate_exps.weight", "ffn_gate", e * ffn, hidden, (e, ffn, hidden))
+            matrix(f"blk.{i}.ffn_up_exps.weight", "ffn_up", e * ffn, hidden, (e, ffn, hidden))
+            matrix(f"blk.{i}.ffn_down_exps.weight", "ffn_down", e * hidden, ffn, (e, hidden, ffn))
+        else:
+            matrix(f"blk.{i}.ffn_gate.weight", "ffn_gate", ffn, hidden)
+            matrix(f"blk.{i}.ffn_up.weight", "ffn_up", ffn, hidden)
+            matrix(f"blk.{i}.ffn_down.weight", "ffn_down", hidden, ffn)
     w.add_tensor("output_norm.weight", norm)
     if not s["tied"]:
-        add_matrix(w, "output.weight", qtype, s["vocab"], hidden, rng)
+        matrix("output.weight", "output", s["vocab"], hidden)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -99,9 +170,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--shape", choices=sorted(SHAPES), required=True)
-    parser.add_argument("--type", default="Q4_0", help="GGML type of every matrix, e.g. Q4_0, Q4_K, Q8_0")
+    parser.add_argument("--type", default="Q4_0", help="GGML type of every matrix (Q4_0, Q4_K, Q8_0, ...) or Q4_K_M")
     args = parser.parse_args()
-    write_model(args.out, SHAPES[args.shape], GGMLQuantizationType[args.type], f"synthetic-llama-{args.shape}-{args.type}")
+    write_model(args.out, SHAPES[args.shape], type_mix(args.type), f"synthetic-{args.shape}-{args.type}")
 
 
 if __name__ == "__main__":
