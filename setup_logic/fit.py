@@ -37,10 +37,11 @@ _RAM_PER_VOCAB_TOKEN = 1400
 # figures for CUDA 12 on consumer cards; not yet measured against our engine.
 _CUDA_CONTEXT_BYTES = 450 * MIB
 _CUDA_HOST_BYTES = 300 * MIB
-# The NumPy CPU path is bound by reading its float32 weights once per token: 21 GB/s was measured on a 2-core
-# EPYC cloud machine (bench/bench_engine.py). Below _MIN_CPU_TOKENS_PER_S an answer takes minutes, so such a
-# model is not offered for the CPU even when it fits in RAM.
-_CPU_DECODE_BYTES_PER_S = 20e9
+# The NumPy CPU path is bound by reading its float32 weights once per token: about 10 GB/s on a 2-core EPYC
+# cloud machine, where decode runs on one BLAS thread (SmolLM2's 539 MB at 18-19 tokens/s, bench/bench_engine.py).
+# Below _MIN_CPU_TOKENS_PER_S an answer takes minutes, so such a model is not offered for the CPU even when it
+# fits in RAM.
+_CPU_DECODE_BYTES_PER_S = 10e9
 _MIN_CPU_TOKENS_PER_S = 2.0
 # Tiny demo models answer fast but poorly; "speed" picks them only when nothing better fits.
 _MIN_USEFUL_QUALITY = 3.0
