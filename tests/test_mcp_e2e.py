@@ -174,3 +174,20 @@ async def test_gemma_base_model_continues_text(tmp_path, gemma3_gguf):
         assert "raw=true" in refused
         text = await call(session, "chat", prompt="The capital of France is", raw=True, temperature=0, max_tokens=8)
         assert text["timings"]["completion_tokens"] >= 1 and text["text"].strip()
+
+
+async def test_truncated_model_file_is_named_and_nothing_is_loaded(tmp_path, smollm2_gguf):
+    data = tmp_path / "data"
+    truncated = tmp_path / smollm2_gguf.name
+    truncated.write_bytes(smollm2_gguf.read_bytes()[: 40_000_000])
+    register_model(data, "smollm2-135m-instruct", truncated)
+    async with connect(data) as session:
+        started = await call(session, "start", model="smollm2-135m-instruct", device="cpu", wait_seconds=120)
+        assert started["engine"]["state"] == "failed"
+        assert smollm2_gguf.name in started["engine"]["error"] and smollm2_gguf.name in started["summary"]
+        message = await call_error(session, "chat", prompt="hi")
+        assert smollm2_gguf.name in message
+        status = await call(session, "status")
+        assert status["engine"]["state"] == "failed"
+        assert (await call(session, "stop"))["stopped_model"] == "smollm2-135m-instruct"
+        assert (await call(session, "status"))["engine"]["state"] == "stopped"
