@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import signal
 import anyio
+import psutil
 import pytest
 from hf_server import HfTestServer
 from mcp_support import call, connect
@@ -88,3 +90,25 @@ async def test_cancel_then_resume_through_the_tools(tmp_path, hub, extra_catalog
         resumed = hub.served(smollm2_gguf.name) - served_before
         assert resumed < size - running["progress"]["bytes_done"] + (1 << 20)
         assert [m["id"] for m in (await call(session, "status"))["installed"]] == [MODEL]
+
+
+async def test_server_killed_mid_download_resumes_after_restart(tmp_path, hub, extra_catalog, smollm2_gguf):
+    size = smollm2_gguf.stat().st_size
+    hub.knobs.bytes_per_s = 20e6
+    seen = {}
+    with pytest.raises(Exception):  # the session dies with its server; assertions come after this block
+        async with connect_to_hub(tmp_path, hub, extra_catalog) as session:
+            seen["running"] = await call(session, "install", model=MODEL, confirm=True, wait_seconds=1.5)
+            seen["servers"] = [p for p in psutil.Process().children(recursive=True) if "strata-mcp" in " ".join(p.cmdline())]
+            seen["servers"][0].send_signal(signal.SIGKILL)
+            await call(session, "status")
+    running = seen["running"]
+    assert running["action"] == "installing" and running["progress"]["bytes_done"] > 0
+    assert len(seen["servers"]) == 1 and not seen["servers"][0].is_running()
+    await anyio.sleep(1.0)  # the download child notices its parent is gone and exits
+    kept = hub.served(smollm2_gguf.name)
+    hub.knobs.bytes_per_s = None
+    async with connect_to_hub(tmp_path, hub, extra_catalog) as session:
+        done = await call(session, "install", model=MODEL, confirm=True, wait_seconds=300)
+        assert done["action"] == "installed", done["summary"]
+    assert hub.served(smollm2_gguf.name) - kept < size - running["progress"]["bytes_done"] + (1 << 20)
