@@ -164,3 +164,14 @@ def write_gguf(model, arch: str, path: Path, tokenizer_source: Path, context_len
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def write_tokenizer_gguf(source: Path, path: Path) -> Path:
+    """A GGUF of `source`'s tokenizer metadata alone (no tensors): a small stand-in for `write_gguf`'s
+    tokenizer_source where the whole model file cannot travel (the GPU machine)."""
+    writer = GGUFWriter(str(path), GGUFReader(source).fields["general.architecture"].contents())
+    _copy_tokenizer(writer, source)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    return path

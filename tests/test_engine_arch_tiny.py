@@ -17,7 +17,7 @@ VOCAB = 49152  # SmolLM2's, whose tokenizer the tiny models borrow
 GREEDY_TOKENS = 16
 
 
-def _small(**extra):
+def _small_config(**extra):
     base = dict(
         vocab_size=VOCAB,
         hidden_size=64,
@@ -34,8 +34,12 @@ def _small(**extra):
     return base
 
 
-def _build(arch: str):
+def _build(arch: str, head_dim: int = 16):
+    """The tiny model of `arch`; tests/test_gpu_arch.py asks for head_dim 64, a head size the GPU kernels have."""
     import transformers as tf
+
+    def _small(**extra):
+        return _small_config(head_dim=head_dim, **extra)
 
     if arch == "qwen2":
         return tf.Qwen2ForCausalLM(tf.Qwen2Config(**_small(rms_norm_eps=1e-6)))
@@ -59,7 +63,7 @@ def _build(arch: str):
     if arch == "gemma3":
         # Six layers: five sliding-window layers (window 5, shorter than the prompts) and one global layer.
         config = tf.Gemma3TextConfig(
-            **_small(num_hidden_layers=6, sliding_window=5, query_pre_attn_scalar=16, rms_norm_eps=1e-6, tie_word_embeddings=True)
+            **_small(num_hidden_layers=6, sliding_window=5, query_pre_attn_scalar=head_dim, rms_norm_eps=1e-6, tie_word_embeddings=True)
         )
         return tf.Gemma3ForCausalLM(config)
     raise ValueError(arch)
