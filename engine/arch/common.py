@@ -1,8 +1,9 @@
 """Helpers every architecture module shares: reading hyper-parameters, uploading weights with progress,
-fusing matrices that read the same input, and rotary frequencies."""
+fusing matrices that read the same input, rotary frequencies, and the activation workspace."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
@@ -88,3 +89,41 @@ def concat_vectors(name: str, tensors: list[GGUFTensor]) -> GGUFTensor:
     values = [quants.dequantize(t.raw, t.qtype, t.shape).reshape(-1).astype(np.float32) for t in tensors]
     joined = np.concatenate(values)
     return GGUFTensor(name, GGMLQuantizationType.F32, joined.shape, joined.view(np.uint8))
+
+
+@dataclass
+class Workspace:
+    """Activation buffers for chunks of up to `max_chunk` tokens, allocated once."""
+
+    tokens: Any  # (max_chunk,) int32: ids of the chunk, set by the caller
+    start: Any  # (1,) int32: position of the chunk's first token, set by the caller
+    x: Any  # (max_chunk, hidden) residual stream
+    h: Any  # (max_chunk, hidden) normed input of the next projection
+    qkv: Any  # (max_chunk, q_dim + 2 kv_dim)
+    attn: Any  # (max_chunk, q_dim)
+    delta: Any  # (max_chunk, hidden) output of a block, added to x by the next fused norm
+    ffn: Any  # (max_chunk, ffn)
+    ffn_scratch: Any  # (max_chunk, ffn)
+    logits: Any  # (1, vocab) of the chunk's last token
+    max_chunk: int
+    extra: dict[str, Any]  # buffers a variant needs (qwen3moe's routing)
+
+
+def new_workspace(config: Any, backend: Backend, max_chunk: int, ffn_width: int | None = None) -> Workspace:
+    """Buffers for a transformer config with hidden, q_dim, kv_dim, ffn and vocab_size; `ffn_width` overrides ffn."""
+    e = backend.empty
+    ffn = config.ffn if ffn_width is None else ffn_width
+    return Workspace(
+        tokens=e((max_chunk,), np.int32),
+        start=e((1,), np.int32),
+        x=e((max_chunk, config.hidden)),
+        h=e((max_chunk, config.hidden)),
+        qkv=e((max_chunk, config.q_dim + 2 * config.kv_dim)),
+        attn=e((max_chunk, config.q_dim)),
+        delta=e((max_chunk, config.hidden)),
+        ffn=e((max_chunk, ffn)),
+        ffn_scratch=e((max_chunk, ffn)),
+        logits=e((1, config.vocab_size)),
+        max_chunk=max_chunk,
+        extra={},
+    )

@@ -14,8 +14,8 @@ from typing import Callable
 
 import numpy as np
 
-from engine.arch.common import WeightLoader, hparam, rope_inv_freq
-from engine.arch.qwen3 import AttentionWeights, Workspace, attention_block, attention_uploads, load_attention, new_workspace
+from engine.arch.common import Workspace, WeightLoader, hparam, new_workspace, rope_inv_freq
+from engine.arch.qwen3 import AttentionWeights, attention_block, attention_uploads, load_attention
 from engine.backend import Backend, KVCache, RopeTable, WeightHandle
 from engine.gguf_file import GGUFFile
 

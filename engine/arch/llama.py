@@ -9,13 +9,15 @@ SwiGLU -> down projection, whose residual add is fused with the next layer's nor
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 
-from engine.arch.common import WeightLoader, concat_rows, hparam, rope_inv_freq
+from engine.arch.common import Workspace, WeightLoader, concat_rows, hparam, new_workspace, rope_inv_freq
 from engine.backend import ROPE_NORMAL, Backend, KVCache, RopeTable, WeightHandle
 from engine.gguf_file import GGUFFile
+
+__all__ = ["read_config", "load_weights", "new_workspace", "forward"]
 
 
 @dataclass(frozen=True)
@@ -119,40 +121,6 @@ def load_weights(
     output = loader.upload(gguf.tensor("output.weight")) if "output.weight" in gguf.tensors else token_embd
     rope = backend.rope_table(rope_inv_freq(gguf, config.rot_dim, config.rope_base), max_positions)
     return LlamaWeights(token_embd, layers, output_norm, output, rope)
-
-
-@dataclass
-class Workspace:
-    """Activation buffers for chunks of up to `max_chunk` tokens, allocated once."""
-
-    tokens: Any  # (max_chunk,) int32: ids of the chunk, set by the caller
-    start: Any  # (1,) int32: position of the chunk's first token, set by the caller
-    x: Any  # (max_chunk, hidden) residual stream
-    h: Any  # (max_chunk, hidden) normed input of the next projection
-    qkv: Any  # (max_chunk, q_dim + 2 kv_dim)
-    attn: Any  # (max_chunk, q_dim)
-    delta: Any  # (max_chunk, hidden) output of a block, added to x by the next fused norm
-    ffn: Any  # (max_chunk, ffn)
-    ffn_scratch: Any  # (max_chunk, ffn)
-    logits: Any  # (1, vocab) of the chunk's last token
-    max_chunk: int
-
-
-def new_workspace(config: LlamaConfig, backend: Backend, max_chunk: int) -> Workspace:
-    e = backend.empty
-    return Workspace(
-        tokens=e((max_chunk,), np.int32),
-        start=e((1,), np.int32),
-        x=e((max_chunk, config.hidden)),
-        h=e((max_chunk, config.hidden)),
-        qkv=e((max_chunk, config.q_dim + 2 * config.kv_dim)),
-        attn=e((max_chunk, config.q_dim)),
-        delta=e((max_chunk, config.hidden)),
-        ffn=e((max_chunk, config.ffn)),
-        ffn_scratch=e((max_chunk, config.ffn)),
-        logits=e((1, config.vocab_size)),
-        max_chunk=max_chunk,
-    )
 
 
 def _project_qkv(backend: Backend, layer: LlamaLayer, h, qkv, config: LlamaConfig) -> None:

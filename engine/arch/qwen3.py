@@ -13,9 +13,11 @@ from typing import Any, Callable
 
 import numpy as np
 
-from engine.arch.common import WeightLoader, concat_rows, concat_vectors, hparam, rope_inv_freq
+from engine.arch.common import Workspace, WeightLoader, concat_rows, concat_vectors, hparam, new_workspace, rope_inv_freq
 from engine.backend import ROPE_NEOX, Backend, KVCache, RopeTable, WeightHandle
 from engine.gguf_file import GGUFFile
+
+__all__ = ["read_config", "load_weights", "new_workspace", "forward"]
 
 
 @dataclass(frozen=True)
@@ -158,43 +160,6 @@ def load_weights(
         ffn = [loader.upload(gguf.tensor(f"blk.{i}.ffn_{x}.weight")) for x in ("gate", "up", "down")]
         layers.append(QwenLayer(attn, *ffn))
     return load_shared(gguf, config, backend, loader, layers, max_positions)
-
-
-@dataclass
-class Workspace:
-    """Activation buffers for chunks of up to `max_chunk` tokens, allocated once."""
-
-    tokens: Any  # (max_chunk,) int32: ids of the chunk, set by the caller
-    start: Any  # (1,) int32: position of the chunk's first token, set by the caller
-    x: Any  # (max_chunk, hidden) residual stream
-    h: Any  # (max_chunk, hidden) normed input of the next projection
-    qkv: Any  # (max_chunk, q_dim + 2 kv_dim)
-    attn: Any  # (max_chunk, q_dim)
-    delta: Any  # (max_chunk, hidden) output of a block, added to x by the next fused norm
-    ffn: Any  # (max_chunk, ffn)
-    ffn_scratch: Any  # (max_chunk, ffn)
-    logits: Any  # (1, vocab) of the chunk's last token
-    max_chunk: int
-    extra: dict[str, Any]  # buffers a variant needs (qwen3moe's routing)
-
-
-def new_workspace(config: QwenConfig, backend: Backend, max_chunk: int, ffn_width: int | None = None) -> Workspace:
-    e = backend.empty
-    ffn = config.ffn if ffn_width is None else ffn_width
-    return Workspace(
-        tokens=e((max_chunk,), np.int32),
-        start=e((1,), np.int32),
-        x=e((max_chunk, config.hidden)),
-        h=e((max_chunk, config.hidden)),
-        qkv=e((max_chunk, config.q_dim + 2 * config.kv_dim)),
-        attn=e((max_chunk, config.q_dim)),
-        delta=e((max_chunk, config.hidden)),
-        ffn=e((max_chunk, ffn)),
-        ffn_scratch=e((max_chunk, ffn)),
-        logits=e((1, config.vocab_size)),
-        max_chunk=max_chunk,
-        extra={},
-    )
 
 
 def attention_block(

@@ -14,8 +14,9 @@ from typing import Callable
 import numpy as np
 
 from engine.arch import qwen3
-from engine.arch.common import WeightLoader, hparam
-from engine.arch.qwen3 import AttentionWeights, QwenConfig, QwenWeights, Workspace
+from engine.arch import common
+from engine.arch.common import Workspace, WeightLoader, hparam
+from engine.arch.qwen3 import AttentionWeights, QwenConfig, QwenWeights
 from engine.backend import Backend, KVCache, WeightHandle
 from engine.errors import EngineError
 from engine.gguf_file import GGUFFile
@@ -77,7 +78,7 @@ def load_weights(
 
 def new_workspace(config: MoeConfig, backend: Backend, max_chunk: int) -> Workspace:
     # The dense FFN buffers go unused; the experts work in their own scratch.
-    ws = qwen3.new_workspace(config, backend, max_chunk, ffn_width=1)
+    ws = common.new_workspace(config, backend, max_chunk, ffn_width=1)
     ws.extra = {
         "router_logits": backend.empty((max_chunk, config.n_experts)),
         "expert_weights": backend.empty((max_chunk, config.top_k)),
