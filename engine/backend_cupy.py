@@ -107,6 +107,7 @@ class CupyBackend:
         self._q8_of: tuple[int, int] | None = None  # (pointer, size) of the vector that _q8[_q8_set] holds
         self._q8_set = 0
         self._decode_part: Any = None
+        self._moe_hidden_q8: K.Q8 | None = None
         # Prompt-path and sampling scratch, grown as needed outside graphs.
         self._scratch: dict[str, Any] = {}
         self._graphs: list[Any] = []
@@ -145,23 +146,20 @@ class CupyBackend:
         if len(shape) == 1:
             values = quants.dequantize(tensor.raw, tensor.qtype, shape).astype(np.float32)
             return self._hold(K.GpuWeight(tensor.name, shape, quants.T.F32, cupy.asarray(values), ()))
-        if len(shape) == 3:
-            raise EngineError(
-                f"Tensor {tensor.name} holds mixture-of-experts weights (shape {shape}), which the GPU backend does "
-                "not run yet. Run this model on the CPU with device='cpu'."
-            )
-        if not supported(tensor.qtype) or len(shape) != 2:
+        # 3-D tensors are the stacked experts of a mixture of experts: whole rows, so stored like a matrix.
+        if not supported(tensor.qtype) or len(shape) not in (2, 3):
             raise EngineError(
                 f"Tensor {tensor.name} is stored as {tensor.qtype.name} with shape {shape}, which the GPU backend "
                 "cannot use (it takes F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K matrices). "
-                "Pick a GGUF quantized with one of these types, or run on the CPU with device='cpu'."
+                "The CPU path runs it: use device='cpu', or pick a GGUF quantized with one of these types."
             )
-        if shape[1] % 32:
+        if shape[-1] % 32:
             raise EngineError(
-                f"Tensor {tensor.name} has rows of {shape[1]} values; the GPU backend needs a multiple of 32. "
+                f"Tensor {tensor.name} has rows of {shape[-1]} values; the GPU backend needs a multiple of 32. "
                 "Run this model on the CPU with device='cpu'."
             )
-        self._max_k = max(self._max_k, shape[1])
+        if len(shape) == 2:
+            self._max_k = max(self._max_k, shape[1])
         return self._hold(K.upload_weight(tensor.name, tensor.qtype, shape, tensor.raw))
 
     @_on_stream
@@ -226,6 +224,7 @@ class CupyBackend:
         self._graphs.clear()
         self._q8 = []
         self._decode_part = None
+        self._moe_hidden_q8 = None
         gc.collect()  # arrays kept alive only by reference cycles go back to the pool before it is emptied
         cupy.get_default_memory_pool().free_all_blocks()
         cupy.get_default_pinned_memory_pool().free_all_blocks()
@@ -310,6 +309,48 @@ class CupyBackend:
         self.linear(x, gate, out)
         self.linear(x, up, scratch)
         K.glu(out, scratch, out, act)
+
+    @_on_stream
+    def moe_route(self, router_logits: Any, top_k: int, normalize: bool, weights_out: Any, ids_out: Any) -> None:
+        K.moe_route(router_logits, top_k, normalize, weights_out, ids_out)
+
+    @_on_stream
+    def moe_ffn(self, x, gate_exps: K.GpuWeight, up_exps: K.GpuWeight, down_exps: K.GpuWeight, ids, weights, out,
+                scratch, activation: str = "silu") -> None:
+        act = ACTIVATIONS.get(activation)
+        if act is None:
+            raise EngineError(f"The activation {activation!r} is not supported on the GPU (silu, gelu_tanh).")
+        if gate_exps.qtype != up_exps.qtype:
+            raise EngineError(
+                f"The expert tensors {gate_exps.name} ({gate_exps.qtype.name}) and {up_exps.name} "
+                f"({up_exps.qtype.name}) differ in type, which the GPU backend cannot pair. Run this model on the "
+                "CPU with device='cpu'."
+            )
+        n, top_k = ids.shape
+        f = gate_exps.shape[1]
+        hidden = scratch.reshape(-1)[: n * top_k * f].reshape(n * top_k, f)
+        x_q8 = h_q8 = None
+        if gate_exps.quantized:
+            x_q8 = self._quantized_input(x) if n == 1 else self._moe_q8("x", x.size)
+            if n > 1:
+                K.quantize_q8(x, x_q8)
+        K.moe_gate_up(gate_exps, up_exps, x, x_q8, ids, hidden, act)
+        if down_exps.quantized:
+            h_q8 = self._moe_q8("hidden", hidden.size) if n > 1 else self._moe_decode_q8(hidden.size)
+            K.quantize_q8(hidden, h_q8)
+        K.moe_down(down_exps, hidden, h_q8, ids, weights, out)
+
+    def _moe_q8(self, key: str, size: int) -> K.Q8:
+        """int8 activations of a prompt chunk (grown as needed, outside graphs)."""
+        return K.Q8(self._buffer(f"moe_{key}_q", size, cupy.int8), self._buffer(f"moe_{key}_q2", size, cupy.int8),
+                    self._buffer(f"moe_{key}_ds", size // 16, cupy.float32).reshape(-1, 2))
+
+    def _moe_decode_q8(self, size: int) -> K.Q8:
+        """The one-token experts' hidden vector in int8: allocated once, never regrown, since a captured decode
+        graph keeps its address."""
+        if self._moe_hidden_q8 is None:
+            self._moe_hidden_q8 = K.Q8.empty(size)
+        return self._moe_hidden_q8
 
     @_on_stream
     def rope_store_kv(self, q, k, v, rope: CupyRope, style: str, cache: CupyKVCache, layer: int, start) -> None:

@@ -149,6 +149,36 @@ def matvec_glu(gate: GpuWeight, up: GpuWeight, x: Any, q8: Q8 | None, out: Any, 
     fn((_blocks(m, WARPS),), (32 * WARPS,), (*gate.args(), *up.args(), *src, out, i32(m), i32(k), i32(act)))
 
 
+def moe_gate_up(gate: GpuWeight, up: GpuWeight, x: Any, q8: Q8 | None, ids: Any, hidden: Any, act: int) -> None:
+    """hidden (n * top_k, f) = act(gate_e . x[token]) * (up_e . x[token]) for each token's chosen experts e =
+    ids (n, top_k); gate, up: stacked (n_experts, f, k) weights of one type; quantized ones read q8 (x's)."""
+    _, f, k = gate.shape
+    slots = ids.size
+    fn = kernel("matvec", f"moe_gate_up_{gate.suffix}")
+    src = q8.args() if gate.quantized else (x,)
+    fn((_blocks(f, WARPS), slots), (32 * WARPS,), (*gate.args(), *up.args(), *src, ids, i32(ids.shape[1]), hidden, i32(f), i32(k), i32(act)))
+
+
+def moe_down(down: GpuWeight, hidden: Any, q8: Q8 | None, ids: Any, weights: Any, out: Any) -> None:
+    """out (n, d) = sum_j weights[:, j] * down_e . hidden[token * top_k + j], e = ids[:, j]; down: stacked
+    (n_experts, d, f); quantized ones read q8 (hidden's)."""
+    _, d, f = down.shape
+    n, top_k = ids.shape
+    fn = kernel("matvec", f"moe_down_{down.suffix}")
+    src = q8.args() if down.quantized else (hidden,)
+    fn((_blocks(d, WARPS), n), (32 * WARPS,), (*down.args(), *src, ids, weights, i32(top_k), out, i32(d), i32(f)))
+
+
+def moe_route(logits: Any, top_k: int, normalize: bool, weights_out: Any, ids_out: Any) -> None:
+    """Softmax of each row of logits (n, n_experts), its top_k experts into ids_out/weights_out (n, top_k)."""
+    n, n_experts = logits.shape
+    threads = min(1024, 32 * _blocks(n_experts, 32))
+    kernel("sampling", "moe_route")(
+        (n,), (threads,), (logits, i32(n_experts), i32(top_k), i32(1 if normalize else 0), weights_out, ids_out),
+        shared_mem=4 * n_experts,
+    )
+
+
 # ---- dequantize, prompt-path products, embedding -------------------------------------------------------
 
 def dequant(w: GpuWeight, out: Any, rows: Any = None, scale: float = 1.0, row_lo: int = 0) -> None:

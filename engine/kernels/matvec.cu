@@ -203,3 +203,103 @@ __device__ __forceinline__ void matvec_f(const typename W::T* const* w, const fl
         matvec_f<W, 2>(ws, x, out, m, k, act);                                                                 \
     }
 FOR_EACH_FLOAT(MATVEC_F)
+
+// Mixture of experts: each token's chosen experts only, read from the stacked ffn_*_exps tensors, where expert
+// e's matrix is rows [e * rows_per_expert, (e + 1) * rows_per_expert) of one (n_experts * rows, k) weight. The
+// expert ids are read on the device (from moe_route), so a decode step stays one graph with no host sync.
+// A "dot" is one warp's product of weight row `row` with activation row `xrow`, the result in every lane.
+template <class B>
+struct QDot {
+    Planes p;
+    const signed char* xq;
+    const signed char* xq2;
+    const float2* xds;
+    int k;
+    __device__ float operator()(long row, long xrow) const {
+        float acc[1] = {0.0f};
+        const long g = xrow * (k / 32);
+        row_dots<B, 1, 1>(&p, (int)row, 0, k, threadIdx.x & 31, 32, xq + 32 * g, xq2 + 32 * g, xds + g, acc);
+        return warp_sum(acc[0]);
+    }
+};
+
+template <class W>
+struct FDot {
+    const typename W::T* w;
+    const float* x;
+    int k;
+    __device__ float operator()(long row, long xrow) const {
+        float acc = 0.0f;
+        for (int c = threadIdx.x & 31; c < k / 8; c += 32) {
+            const float4 xa = __ldg(reinterpret_cast<const float4*>(x + xrow * k + 8 * (long)c));
+            const float4 xb = __ldg(reinterpret_cast<const float4*>(x + xrow * k + 8 * (long)c + 4));
+            const float xv[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+            float v[8];
+            W::load8(w, row * k + 8 * (long)c, v);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc = fmaf(v[e], xv[e], acc);
+        }
+        return warp_sum(acc);
+    }
+};
+
+// grid (f / 4 rounded up, n * top_k), 4 warps a row each: hidden[slot, r] = act(gate_e[r] . x) * (up_e[r] . x)
+// for slot = token * top_k + j and e = ids[slot].
+template <class D>
+__device__ __forceinline__ void moe_gate_up(const D& gate, const D& up, const int* __restrict__ ids, int top_k,
+                                            float* __restrict__ hidden, int f, int act) {
+    const int slot = blockIdx.y;
+    const int r = blockIdx.x * 4 + threadIdx.x / 32;
+    if (r >= f) return;
+    const long row = (long)__ldg(ids + slot) * f + r;
+    const float g = gate(row, slot / top_k), u = up(row, slot / top_k);
+    if ((threadIdx.x & 31) == 0) hidden[(long)slot * f + r] = activate(g, act) * u;
+}
+
+// grid (d / 4 rounded up, n): out[token, r] = sum_j weights[slot] * (down_e[r] . hidden[slot]); each output is
+// written once, so no atomics and the sum's order is fixed.
+template <class D>
+__device__ __forceinline__ void moe_down(const D& down, const int* __restrict__ ids,
+                                         const float* __restrict__ weights, int top_k, float* __restrict__ out,
+                                         int d) {
+    const int token = blockIdx.y;
+    const int r = blockIdx.x * 4 + threadIdx.x / 32;
+    if (r >= d) return;
+    float total = 0.0f;
+    for (int j = 0; j < top_k; ++j) {
+        const long slot = (long)token * top_k + j;
+        total += __ldg(weights + slot) * down((long)__ldg(ids + slot) * d + r, slot);
+    }
+    if ((threadIdx.x & 31) == 0) out[(long)token * d + r] = total;
+}
+
+#define MOE_Q(name, B)                                                                                         \
+    extern "C" __global__ void moe_gate_up_##name(const u8* q, const u8* h, const u8* s, const u8* d,         \
+                                                  const u8* q2, const u8* h2, const u8* s2, const u8* d2,      \
+                                                  const signed char* xq, const signed char* xq2,              \
+                                                  const float2* xds, const int* ids, int top_k, float* hidden, \
+                                                  int f, int k, int act) {                                     \
+        const QDot<B> gate{{q, h, s, d}, xq, xq2, xds, k}, up{{q2, h2, s2, d2}, xq, xq2, xds, k};              \
+        moe_gate_up(gate, up, ids, top_k, hidden, f, act);                                                     \
+    }                                                                                                          \
+    extern "C" __global__ void moe_down_##name(const u8* q, const u8* h, const u8* s, const u8* d,            \
+                                               const signed char* xq, const signed char* xq2, const float2* xds, \
+                                               const int* ids, const float* weights, int top_k, float* out,    \
+                                               int dim, int f) {                                               \
+        const QDot<B> down{{q, h, s, d}, xq, xq2, xds, f};                                                     \
+        moe_down(down, ids, weights, top_k, out, dim);                                                         \
+    }
+FOR_EACH_QUANT(MOE_Q)
+
+#define MOE_F(name, W)                                                                                         \
+    extern "C" __global__ void moe_gate_up_##name(const W::T* w, const W::T* w2, const float* x, const int* ids, \
+                                                  int top_k, float* hidden, int f, int k, int act) {           \
+        const FDot<W> gate{w, x, k}, up{w2, x, k};                                                             \
+        moe_gate_up(gate, up, ids, top_k, hidden, f, act);                                                     \
+    }                                                                                                          \
+    extern "C" __global__ void moe_down_##name(const W::T* w, const float* hidden, const int* ids,             \
+                                               const float* weights, int top_k, float* out, int dim, int f) {  \
+        const FDot<W> down{w, hidden, f};                                                                      \
+        moe_down(down, ids, weights, top_k, out, dim);                                                         \
+    }
+FOR_EACH_FLOAT(MOE_F)

@@ -166,3 +166,49 @@ extern "C" __global__ void sample_sorted(const float* __restrict__ vals, const i
     const int pick = first_cross(vals, keep, inv_temp, u * kept, false, sh, &found);
     if (threadIdx.x == 0) out_id[0] = ids[min(pick, keep - 1)];
 }
+
+// Mixture-of-experts routing, one block per token (engine/backend.py moe_route): p = softmax of the router
+// logits in float32, the top_k experts by p (highest first, ties: lower id), their p divided by the picked sum
+// when normalize. Taken entries are set to -1 (below any probability); an id stays in range even for NaN logits.
+extern "C" __global__ void moe_route(const float* __restrict__ logits, int n_experts, int top_k, int normalize,
+                                     float* __restrict__ weights_out, int* __restrict__ ids_out) {
+    extern __shared__ float p[];
+    __shared__ float sv[32];
+    __shared__ int si[32];
+    const float* row = logits + (long)blockIdx.x * n_experts;
+    float m = NEG_INF;
+    int unused = 0;
+    for (int i = threadIdx.x; i < n_experts; i += blockDim.x) m = fmaxf(m, row[i]);
+    block_best(m, unused, sv, si);
+    float sum = 0.0f;
+    for (int i = threadIdx.x; i < n_experts; i += blockDim.x) {
+        p[i] = expf(row[i] - m);
+        sum += p[i];
+    }
+    sum = warp_sum(sum);
+    if ((threadIdx.x & 31) == 0) sv[threadIdx.x / 32] = sum;
+    __syncthreads();
+    sum = 0.0f;
+    for (int w = 0; w < blockDim.x / 32; ++w) sum += sv[w];
+    __syncthreads();
+    for (int i = threadIdx.x; i < n_experts; i += blockDim.x) p[i] /= sum;
+    __syncthreads();
+    float picked = 0.0f;
+    for (int j = 0; j < top_k; ++j) {
+        float bv = -0.5f;
+        int bi = 0x7FFFFFFF;
+        for (int i = threadIdx.x; i < n_experts; i += blockDim.x)
+            if (better(p[i], i, bv, bi)) { bv = p[i]; bi = i; }
+        block_best(bv, bi, sv, si);
+        if (bi >= n_experts) bi = j;
+        if (threadIdx.x == 0) {
+            ids_out[(long)blockIdx.x * top_k + j] = bi;
+            weights_out[(long)blockIdx.x * top_k + j] = p[bi];
+            picked += p[bi];
+            p[bi] = -1.0f;
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0 && normalize)
+        for (int j = 0; j < top_k; ++j) weights_out[(long)blockIdx.x * top_k + j] /= picked;
+}
