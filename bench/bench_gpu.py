@@ -28,12 +28,19 @@ BANDWIDTH = 4.3e12  # bytes/s, device-to-device copy measured on an H200 (shared
 GREEDY = SamplingParams(temperature=0.0)
 
 
-def bytes_per_token(weights) -> int:
-    """Weight bytes one decode step reads: every layer matrix and the output head (one embedding row aside)."""
+def bytes_per_token(weights, top_k: int | None = None) -> int:
+    """Weight bytes one decode step reads: every layer matrix and the output head (one embedding row aside); of
+    stacked experts only the top_k slabs a token uses (n_experts equal slabs per tensor)."""
     total = weights.output.nbytes
     for layer in weights.layers:
-        for handle in (*layer.qkv, layer.attn_out, layer.gate, layer.up, layer.down):
+        attn = getattr(layer, "attn", layer)  # qwen and gemma layers keep attention in a part of their own
+        for handle in (*attn.qkv, attn.attn_out):
             total += handle.nbytes
+        if hasattr(layer, "gate_exps"):
+            total += layer.router.nbytes
+            total += sum(h.nbytes * top_k // h.shape[0] for h in (layer.gate_exps, layer.up_exps, layer.down_exps))
+        else:
+            total += layer.gate.nbytes + layer.up.nbytes + layer.down.nbytes
     return total
 
 
@@ -135,8 +142,9 @@ def run(path: Path, prompt_len: int, output_len: int, device: str) -> dict:
         runs.append((seconds, timed_decode(logits)))
     prompt_s, output_s = min(r[0] for r in runs), min(r[1] for r in runs)
     step_ms = graph_step_ms(state) if backend.name == "cupy" else None
-    breakdown = decode_breakdown_us(state) if backend.name == "cupy" else None
-    per_token = bytes_per_token(state.weights)
+    # The per-op breakdown replays Llama's layer ops; other architectures report the whole step only.
+    breakdown = decode_breakdown_us(state) if backend.name == "cupy" and model.info.architecture == "llama" else None
+    per_token = bytes_per_token(state.weights, getattr(state.config, "top_k", None))
     output_tps = output_len / output_s
     floor_tps = BANDWIDTH / per_token
     result = {
@@ -150,6 +158,7 @@ def run(path: Path, prompt_len: int, output_len: int, device: str) -> dict:
         "context": model.info.context_length,
         "prompt_tokens_per_s": round(prompt_len / prompt_s, 1),
         "output_tokens_per_s": round(output_tps, 1),
+        "architecture": model.info.architecture,
         "bytes_per_token": per_token,
         "floor_output_tokens_per_s": round(floor_tps, 1),
         "fraction_of_floor": round(output_tps / floor_tps, 3),
