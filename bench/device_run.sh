@@ -1,8 +1,12 @@
 # One device call: install the carried gguf wheel, run the GPU tests, then the speed benchmarks.
 # Usage (on the GPU machine, repo root): bash bench/device_run.sh [tests] [kernels] [synthetic] [profile] [smol]
+#                                        [archs] [memory] [issue5]
 # The GPU machine has no network: .whl/ holds the gguf wheel, and the SmolLM2 GGUF (98 MB, over one call's
 # 64 MB) travels in two parts, .carry/smol.part00 (copied to /tmp/strata by a first call) and
 # .carry/smol.part01 (joined to it by the `smol` step of a second call while the machine is still warm).
+# archs, memory and issue5 need no model file: .carry/smollm2-tokenizer.gguf (tests/gguf_convert.py
+# write_tokenizer_gguf) and the skeletons .carry/smollm2-skeleton.gguf, .carry/gemma3-skeleton.gguf
+# (bench/replica_gguf.py) travel instead, a few MB each.
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 STRATA_TEST_CACHE=/tmp/strata
@@ -27,5 +31,23 @@ for part in "$@"; do
       sha256sum /tmp/strata/SmolLM2-135M-Instruct.Q4_1.gguf
       python3 -m pytest -q -s -p no:cacheprovider --tb=short -rf tests/test_gpu_model.py 2>&1 | tee "$OUT/model_tests.log" | tail -25
       python3 bench/bench_gpu.py /tmp/strata/SmolLM2-135M-Instruct.Q4_1.gguf 2>&1 | tee -a "$OUT/bench.jsonl" ;;
+    archs)
+      cp .carry/smollm2-tokenizer.gguf /tmp/strata/
+      timeout 240 python3 -m pytest -q -s -p no:cacheprovider --tb=short -rf tests/test_gpu_moe.py tests/test_gpu_arch.py tests/test_gpu_backend.py 2>&1 | tee "$OUT/arch_tests.log" | grep -E "relative error|logit range|differ|passed|failed|Error" ;;
+    memory)
+      python3 bench/replica_gguf.py expand .carry/smollm2-skeleton.gguf /tmp/strata/smollm2-replica.gguf
+      python3 bench/replica_gguf.py expand .carry/gemma3-skeleton.gguf /tmp/strata/gemma3-replica.gguf
+      python3 bench/make_synthetic_gguf.py /tmp/strata/synthetic-8b.gguf --shape 8b --type Q4_K
+      timeout 200 python3 bench/gpu_memory_fit.py smollm2-135m-instruct=/tmp/strata/smollm2-replica.gguf \
+        gemma-3-270m=/tmp/strata/gemma3-replica.gguf synthetic-8b=/tmp/strata/synthetic-8b.gguf 2>&1 | tee "$OUT/memory.jsonl"
+      rm -f /tmp/strata/synthetic-8b.gguf ;;
+    issue5)
+      [ -f /tmp/strata/gemma3-replica.gguf ] || python3 bench/replica_gguf.py expand .carry/gemma3-skeleton.gguf /tmp/strata/gemma3-replica.gguf
+      timeout 60 python3 bench/bench_gpu.py /tmp/strata/gemma3-replica.gguf 2>&1 | tee -a "$OUT/issue5.jsonl"
+      for spec in qwen3-8b qwen3-30b-a3b; do
+        f=/tmp/strata/synthetic-$spec.gguf
+        python3 bench/make_synthetic_gguf.py "$f" --shape $spec --type Q4_K_M && timeout 150 python3 bench/bench_gpu.py "$f" 2>&1 | tee -a "$OUT/issue5.jsonl"
+        rm -f "$f"
+      done ;;
   esac
 done
