@@ -91,6 +91,52 @@ def concat_vectors(name: str, tensors: list[GGUFTensor]) -> GGUFTensor:
     return GGUFTensor(name, GGMLQuantizationType.F32, joined.shape, joined.view(np.uint8))
 
 
+@dataclass(frozen=True)
+class TransformerConfig:
+    """The hyper-parameters every decoder-only architecture here shares; variants subclass it."""
+
+    n_layers: int
+    hidden: int
+    ffn: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    rot_dim: int
+    rope_base: float
+    rms_eps: float
+    vocab_size: int
+    context_length: int
+
+    @property
+    def q_dim(self) -> int:
+        return self.n_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+
+def read_transformer_fields(gguf: GGUFFile, rope_base: float, rms_eps: float, ffn: int | None = None) -> dict[str, Any]:
+    """TransformerConfig's fields from the metadata; the arguments are the defaults of the family for keys a
+    file may leave out (`ffn` None: the file must give it)."""
+    n_heads = int(hparam(gguf, "attention.head_count"))
+    hidden = int(hparam(gguf, "embedding_length"))
+    head_dim = int(hparam(gguf, "attention.key_length", hidden // n_heads))
+    return dict(
+        n_layers=int(hparam(gguf, "block_count")),
+        hidden=hidden,
+        ffn=int(hparam(gguf, "feed_forward_length", ffn)),
+        n_heads=n_heads,
+        n_kv_heads=int(hparam(gguf, "attention.head_count_kv", n_heads)),
+        head_dim=head_dim,
+        rot_dim=int(hparam(gguf, "rope.dimension_count", head_dim)),
+        rope_base=float(hparam(gguf, "rope.freq_base", rope_base)),
+        rms_eps=float(hparam(gguf, "attention.layer_norm_rms_epsilon", rms_eps)),
+        vocab_size=int(gguf.tensor("token_embd.weight").shape[0]),
+        context_length=int(hparam(gguf, "context_length")),
+    )
+
+
 @dataclass
 class Workspace:
     """Activation buffers for chunks of up to `max_chunk` tokens, allocated once."""

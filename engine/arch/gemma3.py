@@ -14,7 +14,15 @@ from typing import Callable
 
 import numpy as np
 
-from engine.arch.common import Workspace, WeightLoader, hparam, new_workspace, rope_inv_freq
+from engine.arch.common import (
+    TransformerConfig,
+    Workspace,
+    WeightLoader,
+    hparam,
+    new_workspace,
+    read_transformer_fields,
+    rope_inv_freq,
+)
 from engine.arch.qwen3 import AttentionWeights, attention_block, attention_uploads, load_attention
 from engine.backend import Backend, KVCache, RopeTable, WeightHandle
 from engine.gguf_file import GGUFFile
@@ -26,32 +34,13 @@ DEFAULT_LOCAL_ROPE_BASE = 10000.0
 
 
 @dataclass(frozen=True)
-class GemmaConfig:
-    n_layers: int
-    hidden: int
-    ffn: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    rot_dim: int
-    rope_base: float  # global layers
-    local_rope_base: float  # sliding-window layers
-    rms_eps: float
-    vocab_size: int
-    context_length: int
+class GemmaConfig(TransformerConfig):
+    local_rope_base: float  # sliding-window layers; rope_base is the global layers'
     sliding_window: int
     sliding_layers: tuple[bool, ...]  # True where the layer attends within the sliding window
     attn_scale: float
     qkv_bias: bool = False
     qk_norm: bool = True
-
-    @property
-    def q_dim(self) -> int:
-        return self.n_heads * self.head_dim
-
-    @property
-    def kv_dim(self) -> int:
-        return self.n_kv_heads * self.head_dim
 
 
 def _sliding_layers(gguf: GGUFFile, n_layers: int) -> tuple[bool, ...]:
@@ -62,26 +51,14 @@ def _sliding_layers(gguf: GGUFFile, n_layers: int) -> tuple[bool, ...]:
 
 
 def read_config(gguf: GGUFFile) -> GemmaConfig:
-    n_heads = int(hparam(gguf, "attention.head_count"))
-    hidden = int(hparam(gguf, "embedding_length"))
-    n_layers = int(hparam(gguf, "block_count"))
-    head_dim = int(hparam(gguf, "attention.key_length", hidden // n_heads))
+    fields = read_transformer_fields(gguf, rope_base=1000000.0, rms_eps=1e-6)
+    n_layers, hidden, n_heads = fields["n_layers"], fields["hidden"], fields["n_heads"]
     # Gemma 3 scales scores by query_pre_attn_scalar^-0.5, which is head_dim except in the 27B model
     # (62 layers), where it is hidden / heads; GGUF does not store it, so this follows llama.cpp.
-    attn_scale = 1.0 / float(np.sqrt(hidden // n_heads if n_layers == 62 else head_dim))
+    attn_scale = 1.0 / float(np.sqrt(hidden // n_heads if n_layers == 62 else fields["head_dim"]))
     return GemmaConfig(
-        n_layers=n_layers,
-        hidden=hidden,
-        ffn=int(hparam(gguf, "feed_forward_length")),
-        n_heads=n_heads,
-        n_kv_heads=int(hparam(gguf, "attention.head_count_kv", n_heads)),
-        head_dim=head_dim,
-        rot_dim=int(hparam(gguf, "rope.dimension_count", head_dim)),
-        rope_base=float(hparam(gguf, "rope.freq_base", 1000000.0)),
+        **fields,
         local_rope_base=float(hparam(gguf, "rope.freq_base_swa", DEFAULT_LOCAL_ROPE_BASE)),
-        rms_eps=float(hparam(gguf, "attention.layer_norm_rms_epsilon", 1e-6)),
-        vocab_size=int(gguf.tensor("token_embd.weight").shape[0]),
-        context_length=int(hparam(gguf, "context_length")),
         sliding_window=int(hparam(gguf, "attention.sliding_window")),
         sliding_layers=_sliding_layers(gguf, n_layers),
         attn_scale=attn_scale,

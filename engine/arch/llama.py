@@ -13,54 +13,23 @@ from typing import Callable
 
 import numpy as np
 
-from engine.arch.common import Workspace, WeightLoader, concat_rows, hparam, new_workspace, rope_inv_freq
+from engine.arch.common import (
+    TransformerConfig,
+    Workspace,
+    WeightLoader,
+    concat_rows,
+    new_workspace,
+    read_transformer_fields,
+    rope_inv_freq,
+)
 from engine.backend import ROPE_NORMAL, Backend, KVCache, RopeTable, WeightHandle
 from engine.gguf_file import GGUFFile
 
 __all__ = ["read_config", "load_weights", "new_workspace", "forward"]
 
 
-@dataclass(frozen=True)
-class LlamaConfig:
-    n_layers: int
-    hidden: int
-    ffn: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    rot_dim: int
-    rope_base: float
-    rms_eps: float
-    vocab_size: int
-    context_length: int
-
-    @property
-    def q_dim(self) -> int:
-        return self.n_heads * self.head_dim
-
-    @property
-    def kv_dim(self) -> int:
-        return self.n_kv_heads * self.head_dim
-
-
-def read_config(gguf: GGUFFile) -> LlamaConfig:
-    n_heads = int(hparam(gguf, "attention.head_count"))
-    hidden = int(hparam(gguf, "embedding_length"))
-    head_dim = int(hparam(gguf, "attention.key_length", hidden // n_heads))
-    embd = gguf.tensor("token_embd.weight")
-    return LlamaConfig(
-        n_layers=int(hparam(gguf, "block_count")),
-        hidden=hidden,
-        ffn=int(hparam(gguf, "feed_forward_length")),
-        n_heads=n_heads,
-        n_kv_heads=int(hparam(gguf, "attention.head_count_kv", n_heads)),
-        head_dim=head_dim,
-        rot_dim=int(hparam(gguf, "rope.dimension_count", head_dim)),
-        rope_base=float(hparam(gguf, "rope.freq_base", 10000.0)),
-        rms_eps=float(hparam(gguf, "attention.layer_norm_rms_epsilon", 1e-5)),
-        vocab_size=int(embd.shape[0]),
-        context_length=int(hparam(gguf, "context_length")),
-    )
+def read_config(gguf: GGUFFile) -> TransformerConfig:
+    return TransformerConfig(**read_transformer_fields(gguf, rope_base=10000.0, rms_eps=1e-5))
 
 
 @dataclass
@@ -83,14 +52,14 @@ class LlamaWeights:
     rope: RopeTable
 
 
-def count_uploads(gguf: GGUFFile, config: LlamaConfig) -> int:
+def count_uploads(gguf: GGUFFile, config: TransformerConfig) -> int:
     """How many progress steps `load_weights` reports: one per GGUF tensor it uses."""
     return 2 + ("output.weight" in gguf.tensors) + 9 * config.n_layers
 
 
 def load_weights(
     gguf: GGUFFile,
-    config: LlamaConfig,
+    config: TransformerConfig,
     backend: Backend,
     max_positions: int,
     on_progress: Callable[[int, int, str], None] | None = None,
@@ -123,7 +92,7 @@ def load_weights(
     return LlamaWeights(token_embd, layers, output_norm, output, rope)
 
 
-def _project_qkv(backend: Backend, layer: LlamaLayer, h, qkv, config: LlamaConfig) -> None:
+def _project_qkv(backend: Backend, layer: LlamaLayer, h, qkv, config: TransformerConfig) -> None:
     if len(layer.qkv) == 1:
         backend.linear(h, layer.qkv[0], qkv)
         return
@@ -133,7 +102,7 @@ def _project_qkv(backend: Backend, layer: LlamaLayer, h, qkv, config: LlamaConfi
 
 
 def forward(
-    config: LlamaConfig,
+    config: TransformerConfig,
     weights: LlamaWeights,
     ws: Workspace,
     backend: Backend,

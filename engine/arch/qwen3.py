@@ -13,7 +13,16 @@ from typing import Any, Callable
 
 import numpy as np
 
-from engine.arch.common import Workspace, WeightLoader, concat_rows, concat_vectors, hparam, new_workspace, rope_inv_freq
+from engine.arch.common import (
+    TransformerConfig,
+    Workspace,
+    WeightLoader,
+    concat_rows,
+    concat_vectors,
+    new_workspace,
+    read_transformer_fields,
+    rope_inv_freq,
+)
 from engine.backend import ROPE_NEOX, Backend, KVCache, RopeTable, WeightHandle
 from engine.gguf_file import GGUFFile
 
@@ -21,46 +30,14 @@ __all__ = ["read_config", "load_weights", "new_workspace", "forward"]
 
 
 @dataclass(frozen=True)
-class QwenConfig:
-    n_layers: int
-    hidden: int
-    ffn: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    rot_dim: int
-    rope_base: float
-    rms_eps: float
-    vocab_size: int
-    context_length: int
+class QwenConfig(TransformerConfig):
     qkv_bias: bool  # Qwen2: Q, K and V projections carry a bias
     qk_norm: bool  # Qwen3: per-head RMSNorm of Q and K before the rotary
 
-    @property
-    def q_dim(self) -> int:
-        return self.n_heads * self.head_dim
-
-    @property
-    def kv_dim(self) -> int:
-        return self.n_kv_heads * self.head_dim
-
 
 def read_config(gguf: GGUFFile) -> QwenConfig:
-    n_heads = int(hparam(gguf, "attention.head_count"))
-    hidden = int(hparam(gguf, "embedding_length"))
-    head_dim = int(hparam(gguf, "attention.key_length", hidden // n_heads))
     return QwenConfig(
-        n_layers=int(hparam(gguf, "block_count")),
-        hidden=hidden,
-        ffn=int(hparam(gguf, "feed_forward_length", 0)),
-        n_heads=n_heads,
-        n_kv_heads=int(hparam(gguf, "attention.head_count_kv", n_heads)),
-        head_dim=head_dim,
-        rot_dim=int(hparam(gguf, "rope.dimension_count", head_dim)),
-        rope_base=float(hparam(gguf, "rope.freq_base", 1000000.0)),
-        rms_eps=float(hparam(gguf, "attention.layer_norm_rms_epsilon", 1e-6)),
-        vocab_size=int(gguf.tensor("token_embd.weight").shape[0]),
-        context_length=int(hparam(gguf, "context_length")),
+        **read_transformer_fields(gguf, rope_base=1000000.0, rms_eps=1e-6, ffn=0),
         qkv_bias="blk.0.attn_q.bias" in gguf.tensors,
         qk_norm="blk.0.attn_q_norm.weight" in gguf.tensors,
     )
