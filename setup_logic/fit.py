@@ -65,6 +65,12 @@ class EngineProfile(BaseModel):
     kv_bytes_per_element_gpu: int = 2
     kv_bytes_per_element_cpu: int = 4
     prefill_chunk: int = Field(default=512, gt=0, description="tokens per prompt chunk, which sizes the workspace")
+    gpu_tensor_types: set[str] | None = Field(
+        default=None, description="tensor types the GPU kernels run; None: every supported type"
+    )
+    gpu_architectures: set[str] | None = Field(
+        default=None, description="architectures the GPU path runs; None: every supported architecture"
+    )
     experts_in_ram: bool = Field(
         default=False, description="the engine can keep some MoE experts in RAM and compute them on the CPU"
     )
@@ -301,9 +307,20 @@ def _largest_context(model: CatalogModel, level: Level, engine: EngineProfile, b
     return low
 
 
+def gpu_gap(model: CatalogModel, engine: EngineProfile) -> str | None:
+    """Why the GPU path cannot run this model yet, or None when it can."""
+    if engine.gpu_architectures is not None and model.architecture not in engine.gpu_architectures:
+        return f"the GPU path does not run the {model.architecture} architecture yet"
+    if engine.gpu_tensor_types is not None:
+        missing = sorted(set(model.tensor_types) - engine.gpu_tensor_types)
+        if missing:
+            return f"the GPU kernels do not cover its {', '.join(missing)} tensors yet"
+    return None
+
+
 def _levels(model: CatalogModel, engine: EngineProfile, budget: _Budget) -> list[Level]:
     levels: list[Level] = []
-    if budget.vram > 0:
+    if budget.vram > 0 and gpu_gap(model, engine) is None:
         levels.append("gpu")
         if model.is_moe and engine.experts_in_ram:
             levels.append("gpu+ram")
@@ -336,7 +353,8 @@ def _fit(model: CatalogModel, budget: _Budget, prefs: Preferences, engine: Engin
             estimate = _place(model, context, level, engine, budget)
             return FitResult(
                 model_id=model.id, level=level, context_length=context, largest_context_that_fits=largest,
-                memory=estimate, reason=_why_fits(estimate, target, budget, cpu_tokens_per_second(model, engine)),
+                memory=estimate,
+                reason=_why_fits(estimate, target, budget, cpu_tokens_per_second(model, engine), gpu_gap(model, engine)),
             )
     return FitResult(
         model_id=model.id, level="none", context_length=None, largest_context_that_fits=None, memory=None,
@@ -362,7 +380,7 @@ def _why_too_slow(model: CatalogModel, engine: EngineProfile, budget: _Budget) -
     )
 
 
-def _why_fits(e: MemoryEstimate, target: int, budget: _Budget, cpu_speed: float) -> str:
+def _why_fits(e: MemoryEstimate, target: int, budget: _Budget, cpu_speed: float, gap: str | None) -> str:
     tokens = f"{e.context_length} tokens of context"
     if e.level == "gpu":
         text = f"Runs on the GPU ({budget.gpu_name}): {gb(e.vram_bytes)} of the {gb(budget.vram)} free VRAM with {tokens}"
@@ -372,7 +390,9 @@ def _why_fits(e: MemoryEstimate, target: int, budget: _Budget, cpu_speed: float)
             f"{gb(e.vram_bytes)} of VRAM and {gb(e.ram_required_bytes)} of RAM with {tokens}"
         )
     else:
-        where = " because it is too big for the GPU" if budget.vram > 0 else ""
+        where = ""
+        if budget.vram > 0:
+            where = f" because {gap}" if gap else " because it is too big for the GPU"
         text = f"Runs on the CPU{where}: {gb(e.ram_required_bytes)} of the {gb(budget.ram)} RAM available with {tokens}"
         text += f", about {cpu_speed:.0f} tokens/s"
         if budget.avx2 is False:
@@ -384,6 +404,10 @@ def _why_fits(e: MemoryEstimate, target: int, budget: _Budget, cpu_speed: float)
 
 def _why_not(model: CatalogModel, context: int, engine: EngineProfile, budget: _Budget, cpu_too_slow: str | None) -> str:
     needs = []
+    gap = gpu_gap(model, engine)
+    if budget.vram > 0 and gap is not None:
+        gpu_part = f"On the GPU: {gap}."
+        return f"{gpu_part} {cpu_too_slow}" if cpu_too_slow else f"{gpu_part} Too big for the CPU path: it needs {_cpu_need(model, context, engine, budget)}."
     if budget.vram > 0:
         gpu = estimate_memory(model, context, "gpu", engine)
         needs.append(f"{gb(gpu.vram_bytes)} of VRAM on the GPU ({gb(budget.vram)} free)")
@@ -396,9 +420,13 @@ def _why_not(model: CatalogModel, context: int, engine: EngineProfile, budget: _
         if not needs:
             return cpu_too_slow
         return f"Too big for the GPU even with {context} tokens of context: it needs " + ", or ".join(needs) + f". {cpu_too_slow}"
-    cpu = estimate_memory(model, context, "cpu", engine)
-    needs.append(f"{gb(cpu.ram_required_bytes)} of RAM on the CPU ({gb(budget.ram)} available)")
+    needs.append(_cpu_need(model, context, engine, budget))
     return f"Too big for this PC even with {context} tokens of context: it needs " + ", or ".join(needs) + "."
+
+
+def _cpu_need(model: CatalogModel, context: int, engine: EngineProfile, budget: _Budget) -> str:
+    cpu = estimate_memory(model, context, "cpu", engine)
+    return f"{gb(cpu.ram_required_bytes)} of RAM on the CPU ({gb(budget.ram)} available)"
 
 
 def _unsupported_reason(model: CatalogModel, engine: EngineProfile) -> str | None:

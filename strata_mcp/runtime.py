@@ -18,8 +18,7 @@ from pathlib import Path
 import psutil
 
 from engine import EngineError, LoadedModel, load_model
-from engine.arch import ARCHITECTURES
-from engine.quants import SUPPORTED_TYPES
+from engine import capabilities
 from setup_logic.catalog import get_model
 from setup_logic.errors import SetupError
 from setup_logic.fit import EngineProfile, MemoryEstimate, estimate_memory
@@ -46,8 +45,9 @@ def measure_memory() -> dict:
 def engine_profile() -> EngineProfile:
     """What our engine runs, as data for setup_logic (which must not import the engine)."""
     return EngineProfile(
-        supported_architectures=set(ARCHITECTURES),
-        supported_tensor_types={t.name for t in SUPPORTED_TYPES},
+        supported_architectures=capabilities.architectures(),
+        supported_tensor_types=capabilities.cpu_tensor_types(),
+        gpu_tensor_types=capabilities.gpu_tensor_types(),
     )
 
 

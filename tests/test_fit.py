@@ -232,6 +232,22 @@ def test_models_too_slow_for_the_cpu_path_are_explained():
     assert rec.choice is not None and rec.choice.level == "cpu"
 
 
+def test_types_without_a_gpu_kernel_keep_a_model_off_the_gpu():
+    gpu_today = ENGINE.model_copy(update={"gpu_tensor_types": {"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+                                                               "Q8_0", "Q4_K", "Q5_K", "Q6_K"}})
+    rec = recommend(pc(64, 55, [("RTX 4080", 16, 15.3)]), load_catalog(), Preferences(goal="chat"), gpu_today)
+    assert rec.choice.model_id != "qwen3-30b-a3b"  # its Q3_K tensors have no GPU kernel
+    reason = next(r.reason for r in rec.not_fitting if r.id == "qwen3-30b-a3b")
+    assert reason.startswith("On the GPU: the GPU kernels do not cover its Q3_K tensors yet.")
+    assert "Too slow on this PC's CPU" in reason
+    small = fit_model(get_model("qwen3-4b"), pc(64, 55, [("RTX 4080", 16, 15.3)]), Preferences(), gpu_today)
+    assert small.level == "gpu"
+    no_gemma = gpu_today.model_copy(update={"gpu_architectures": {"llama", "qwen3"}})
+    gemma = fit_model(get_model("gemma-3-1b-it"), pc(64, 55, [("RTX 4080", 16, 15.3)]), Preferences(), no_gemma)
+    assert gemma.level == "cpu"
+    assert "because the GPU path does not run the gemma3 architecture yet" in gemma.reason
+
+
 def test_budgets_come_from_the_best_gpu_and_available_ram():
     report = pc(64, 40, [("RTX 3060", 12, 11), ("RTX 4080", 16, 4)])
     rec = recommend(report, load_catalog(), Preferences(), ENGINE)
