@@ -103,18 +103,24 @@ async def _run_in_thread(spec: ToolSpec, runtime: Runtime, args: BaseModel, ctx:
     threading.Thread(target=body, name=f"tool-{spec.name}", daemon=True).start()
     sent: tuple[float, float | None, str] | None = None
     last_progress = -1.0
+
+    async def send_latest() -> None:
+        nonlocal sent, last_progress
+        latest = reporter.latest
+        if latest is not None and latest != sent:
+            # The spec asks for strictly increasing progress values.
+            value = max(latest[0], last_progress + 1e-6)
+            await ctx.report_progress(value, latest[1], latest[2] or None)
+            sent, last_progress = latest, value
+
     try:
         while not finished.is_set():
             await anyio.sleep(PROGRESS_INTERVAL_S)
-            latest = reporter.latest
-            if latest is not None and latest != sent:
-                # The spec asks for strictly increasing progress values.
-                value = max(latest[0], last_progress + 1e-6)
-                await ctx.report_progress(value, latest[1], latest[2] or None)
-                sent, last_progress = latest, value
+            await send_latest()
     finally:
         if not finished.is_set():
             reporter.cancel()  # the client cancelled: the body sees it and winds down cleanly
+    await send_latest()  # work shorter than one interval still reports where it ended
     if "error" in outcome:
         raise outcome["error"]
     return outcome["result"]

@@ -63,15 +63,35 @@ async def test_whole_chain(tmp_path, smollm2_gguf):
         assert installed.structured_content["action"] == "installed"
         assert progress == sorted(progress) and len(set(progress)) == len(progress)
 
-        started = await call(session, "start", model="smollm2-135m-instruct", device="cpu", wait_seconds=300)
+        load_progress: list[str] = []
+
+        async def on_load_progress(value, total, message):
+            load_progress.append(message)
+
+        started_result = await session.call_tool(
+            "start", {"model": "smollm2-135m-instruct", "device": "cpu", "wait_seconds": 300},
+            read_timeout_seconds=600, progress_callback=on_load_progress,
+        )
+        started = started_result.structured_content
         assert started["engine"]["state"] == "ready"
+        assert load_progress, "start sent no progress while loading"
         assert started["engine"]["backend"] == "numpy"
         memory = started["engine"]["memory"]
         # The fit's estimate is the one choose_model uses: it must match what loading really cost.
         assert abs(memory["process_growth_bytes"] / memory["estimated_after_load_bytes"] - 1) < 0.15, memory
 
-        answer = await call(session, "chat", prompt="What is the capital of France?", temperature=0, max_tokens=32)
+        streamed: list[str] = []
+
+        async def on_text(value, total, message):
+            streamed.append(message)
+
+        answer_result = await session.call_tool(
+            "chat", {"prompt": "What is the capital of France?", "temperature": 0, "max_tokens": 32},
+            read_timeout_seconds=600, progress_callback=on_text,
+        )
+        answer = answer_result.structured_content
         assert "Paris" in answer["text"]
+        assert streamed and answer["text"].startswith(streamed[-1][:10]), streamed
         assert answer["timings"]["completion_tokens"] > 0 and answer["timings"]["output_tokens_per_second"] > 0
 
         follow_up = await call(
