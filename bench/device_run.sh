@@ -38,7 +38,7 @@ for part in "$@"; do
       python3 bench/replica_gguf.py expand .carry/smollm2-skeleton.gguf /tmp/strata/smollm2-replica.gguf
       python3 bench/replica_gguf.py expand .carry/gemma3-skeleton.gguf /tmp/strata/gemma3-replica.gguf
       python3 bench/make_synthetic_gguf.py /tmp/strata/synthetic-8b.gguf --shape 8b --type Q4_K
-      timeout 200 python3 bench/gpu_memory_fit.py smollm2-135m-instruct=/tmp/strata/smollm2-replica.gguf \
+      timeout 200 python3 bench/gpu_memory_fit.py measure smollm2-135m-instruct=/tmp/strata/smollm2-replica.gguf \
         gemma-3-270m=/tmp/strata/gemma3-replica.gguf synthetic-8b=/tmp/strata/synthetic-8b.gguf 2>&1 | tee "$OUT/memory.jsonl"
       rm -f /tmp/strata/synthetic-8b.gguf ;;
     issue5)

@@ -3,10 +3,11 @@
 For each model, in a fresh process (so the CUDA context, kernels and cuBLAS count, as they do for a person's
 first load): GPU memory in use (NVML, else the driver's free memory) before anything touches CUDA, after
 load_model(device="cuda", context_length=4096), after a 520-token prompt and a short greedy answer, and after
-close(). Prints one JSON line per model with the estimate and its parts, the measured growth, CuPy's pool
-(used / held) and the ratio estimate / growth.
+close(). `measure` prints one JSON line of readings per model (on the GPU machine, which lacks setup_logic's
+dependencies); `compare` adds the estimate and its parts and the ratio estimate / growth (anywhere).
 
-Usage: python bench/gpu_memory_fit.py smollm2-135m-instruct=FILE gemma-3-270m=FILE synthetic-8b=FILE
+Usage: python bench/gpu_memory_fit.py measure smollm2-135m-instruct=FILE gemma-3-270m=FILE synthetic-8b=FILE
+       python bench/gpu_memory_fit.py compare MEASURED.jsonl
 (a catalog id names the catalog entry to estimate; synthetic-8b is the Llama 8B geometry of
 bench/make_synthetic_gguf.py, estimated from that geometry and the file's size).
 """
@@ -39,34 +40,39 @@ def gpu_used_bytes() -> tuple[int, str]:
         return int(total - free), "cudaMemGetInfo"
 
 
-def catalog_entry(model_id: str, path: Path):
-    from gguf import GGUFReader
-
+def catalog_entry(m: dict):
     from setup_logic.catalog import ModelFile, get_model
 
-    if model_id != "synthetic-8b":
-        return get_model(model_id)
-    reader = GGUFReader(path)
-    params = sum(int(np.prod(t.shape)) for t in reader.tensors)
-    vocab = int(next(t for t in reader.tensors if t.name == "token_embd.weight").shape[1])
+    if m["model"] != "synthetic-8b":
+        return get_model(m["model"])
     base = get_model("smollm2-135m-instruct")
     return base.model_copy(update=dict(
-        id="synthetic-8b", name=path.name, architecture="llama", quant="Q4_K", tensor_types=["F32", "Q4_K"],
-        params_b=params / 1e9, n_layers=32, n_embd=4096, n_ff=14336, n_heads=32, n_kv_heads=8, head_dim=128,
-        vocab_size=vocab, context_max=8192,
-        files=[ModelFile(name=path.name, size=path.stat().st_size, source="huggingface", repo="synthetic", path=path.name)],
+        id="synthetic-8b", name=m["file"], architecture="llama", quant="Q4_K", tensor_types=m["tensor_types"],
+        params_b=m["params"] / 1e9, n_layers=32, n_embd=4096, n_ff=14336, n_heads=32, n_kv_heads=8, head_dim=128,
+        vocab_size=m["vocab"], context_max=8192,
+        files=[ModelFile(name=m["file"], size=m["file_bytes"], source="huggingface", repo="synthetic", path=m["file"])],
     ))
 
 
-def estimate(model_id: str, path: Path) -> dict:
-    from gguf import GGUFReader
-
+def estimate(m: dict) -> dict:
     from setup_logic.fit import EngineProfile, estimate_memory
 
-    types = {t.tensor_type.name for t in GGUFReader(path).tensors}
-    profile = EngineProfile(supported_architectures={"llama", "gemma3"}, supported_tensor_types=types)
-    e = estimate_memory(catalog_entry(model_id, path), CONTEXT, "gpu", profile)
+    profile = EngineProfile(supported_architectures={"llama", "gemma3"}, supported_tensor_types=set(m["tensor_types"]))
+    e = estimate_memory(catalog_entry(m), CONTEXT, "gpu", profile)
     return {k: getattr(e, k) for k in ("vram_bytes", "gpu_weights_bytes", "kv_cache_bytes", "workspace_bytes", "gpu_overhead_bytes")}
+
+
+def file_facts(path: Path) -> dict:
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+    return {
+        "file": path.name,
+        "file_bytes": path.stat().st_size,
+        "params": sum(int(np.prod(t.shape)) for t in reader.tensors),
+        "vocab": int(next(t for t in reader.tensors if t.name == "token_embd.weight").shape[1]),
+        "tensor_types": sorted({t.tensor_type.name for t in reader.tensors}),
+    }
 
 
 def measure(model_id: str, path: Path) -> dict:
@@ -103,21 +109,28 @@ def measure(model_id: str, path: Path) -> dict:
 
 
 def main() -> None:
-    if sys.argv[1] == "--measure":
-        print(json.dumps(measure(sys.argv[2], Path(sys.argv[3]))))
-        return
-    for arg in sys.argv[1:]:
-        model_id, _, file = arg.partition("=")
-        path = Path(file)
-        child = subprocess.run([sys.executable, __file__, "--measure", model_id, str(path)], capture_output=True, text=True)
-        if child.returncode != 0:
-            print(json.dumps({"model": model_id, "error": child.stderr[-2000:]}), flush=True)
-            continue
-        measured = json.loads(child.stdout.strip().splitlines()[-1])
-        est = estimate(model_id, path)
-        ratio = est["vram_bytes"] / measured["growth_after_generation"]
-        print(json.dumps({"model": model_id, "file": path.name, "file_bytes": path.stat().st_size, "context": CONTEXT,
-                          "estimate": est, "measured": measured, "estimate_over_measured": round(ratio, 3)}), flush=True)
+    command, args = sys.argv[1], sys.argv[2:]
+    if command == "--child":
+        print(json.dumps(measure(args[0], Path(args[1]))))
+    elif command == "measure":
+        for arg in args:
+            model_id, _, file = arg.partition("=")
+            child = subprocess.run([sys.executable, __file__, "--child", model_id, file], capture_output=True, text=True)
+            if child.returncode != 0:
+                print(json.dumps({"model": model_id, "error": child.stderr[-2000:]}), flush=True)
+                continue
+            measured = json.loads(child.stdout.strip().splitlines()[-1])
+            print(json.dumps({"model": model_id, **file_facts(Path(file)), "context": CONTEXT, "measured": measured}), flush=True)
+    elif command == "compare":
+        for line in Path(args[0]).read_text().splitlines():
+            m = json.loads(line)
+            if "measured" not in m:
+                continue
+            est = estimate(m)
+            ratio = est["vram_bytes"] / m["measured"]["growth_after_generation"]
+            print(json.dumps({**m, "estimate": est, "estimate_over_measured": round(ratio, 3)}))
+    else:
+        raise SystemExit(__doc__)
 
 
 if __name__ == "__main__":

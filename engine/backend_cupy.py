@@ -158,8 +158,7 @@ class CupyBackend:
                 f"Tensor {tensor.name} has rows of {shape[-1]} values; the GPU backend needs a multiple of 32. "
                 "Run this model on the CPU with device='cpu'."
             )
-        if len(shape) == 2:
-            self._max_k = max(self._max_k, shape[1])
+        self._max_k = max(self._max_k, shape[-1])  # sizes the int8 activations of one-token products
         return self._hold(K.upload_weight(tensor.name, tensor.qtype, shape, tensor.raw))
 
     @_on_stream
