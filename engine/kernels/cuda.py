@@ -170,12 +170,13 @@ def moe_down(down: GpuWeight, hidden: Any, q8: Q8 | None, ids: Any, weights: Any
 
 
 def moe_route(logits: Any, top_k: int, normalize: bool, weights_out: Any, ids_out: Any) -> None:
-    """Softmax of each row of logits (n, n_experts), its top_k experts into ids_out/weights_out (n, top_k)."""
+    """Softmax of each row of logits (n, n_experts), its top_k experts into ids_out/weights_out (n, top_k); one
+    warp a token."""
     n, n_experts = logits.shape
-    threads = min(1024, 32 * _blocks(n_experts, 32))
     kernel("sampling", "moe_route")(
-        (n,), (threads,), (logits, i32(n_experts), i32(top_k), i32(1 if normalize else 0), weights_out, ids_out),
-        shared_mem=4 * n_experts,
+        (_blocks(n, WARPS),), (32 * WARPS,),
+        (logits, i32(n), i32(n_experts), i32(top_k), i32(1 if normalize else 0), weights_out, ids_out),
+        shared_mem=4 * WARPS * n_experts,
     )
 
 

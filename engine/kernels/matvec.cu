@@ -207,7 +207,8 @@ FOR_EACH_FLOAT(MATVEC_F)
 // Mixture of experts: each token's chosen experts only, read from the stacked ffn_*_exps tensors, where expert
 // e's matrix is rows [e * rows_per_expert, (e + 1) * rows_per_expert) of one (n_experts * rows, k) weight. The
 // expert ids are read on the device (from moe_route), so a decode step stays one graph with no host sync.
-// A "dot" is one warp's product of weight row `row` with activation row `xrow`, the result in every lane.
+// A "dot" is one warp's product of weight row `row` with activation row `xrow`: `partial` is this lane's share,
+// the call the warp's sum in every lane.
 template <class B>
 struct QDot {
     Planes p;
@@ -215,12 +216,13 @@ struct QDot {
     const signed char* xq2;
     const float2* xds;
     int k;
-    __device__ float operator()(long row, long xrow) const {
+    __device__ float partial(long row, long xrow) const {
         float acc[1] = {0.0f};
         const long g = xrow * (k / 32);
         row_dots<B, 1, 1>(&p, (int)row, 0, k, threadIdx.x & 31, 32, xq + 32 * g, xq2 + 32 * g, xds + g, acc);
-        return warp_sum(acc[0]);
+        return acc[0];
     }
+    __device__ float operator()(long row, long xrow) const { return warp_sum(partial(row, xrow)); }
 };
 
 template <class W>
@@ -228,7 +230,8 @@ struct FDot {
     const typename W::T* w;
     const float* x;
     int k;
-    __device__ float operator()(long row, long xrow) const {
+    __device__ float operator()(long row, long xrow) const { return warp_sum(partial(row, xrow)); }
+    __device__ float partial(long row, long xrow) const {
         float acc = 0.0f;
         for (int c = threadIdx.x & 31; c < k / 8; c += 32) {
             const float4 xa = __ldg(reinterpret_cast<const float4*>(x + xrow * k + 8 * (long)c));
@@ -239,7 +242,7 @@ struct FDot {
 #pragma unroll
             for (int e = 0; e < 8; ++e) acc = fmaf(v[e], xv[e], acc);
         }
-        return warp_sum(acc);
+        return acc;
     }
 };
 
@@ -265,11 +268,14 @@ __device__ __forceinline__ void moe_down(const D& down, const int* __restrict__ 
     const int token = blockIdx.y;
     const int r = blockIdx.x * 4 + threadIdx.x / 32;
     if (r >= d) return;
+    // Lane shares of all experts first, one warp sum at the end: no shuffles between the experts' loads.
     float total = 0.0f;
+#pragma unroll 4
     for (int j = 0; j < top_k; ++j) {
         const long slot = (long)token * top_k + j;
-        total += __ldg(weights + slot) * down((long)__ldg(ids + slot) * d + r, slot);
+        total += __ldg(weights + slot) * down.partial((long)__ldg(ids + slot) * d + r, slot);
     }
+    total = warp_sum(total);
     if ((threadIdx.x & 31) == 0) out[(long)token * d + r] = total;
 }
 

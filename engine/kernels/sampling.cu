@@ -167,48 +167,50 @@ extern "C" __global__ void sample_sorted(const float* __restrict__ vals, const i
     if (threadIdx.x == 0) out_id[0] = ids[min(pick, keep - 1)];
 }
 
-// Mixture-of-experts routing, one block per token (engine/backend.py moe_route): p = softmax of the router
-// logits in float32, the top_k experts by p (highest first, ties: lower id), their p divided by the picked sum
-// when normalize. Taken entries are set to -1 (below any probability); an id stays in range even for NaN logits.
-extern "C" __global__ void moe_route(const float* __restrict__ logits, int n_experts, int top_k, int normalize,
-                                     float* __restrict__ weights_out, int* __restrict__ ids_out) {
-    extern __shared__ float p[];
-    __shared__ float sv[32];
-    __shared__ int si[32];
-    const float* row = logits + (long)blockIdx.x * n_experts;
+// Mixture-of-experts routing (engine/backend.py moe_route), one warp per token, 4 tokens a block, so no step waits
+// on a block-wide barrier: p = softmax of the router logits in float32, the top_k experts by p (highest first, ties:
+// lower id), their p divided by the picked sum when normalize. Taken entries are set to -1 (below any
+// probability); an id stays in range even for NaN logits.
+extern "C" __global__ void moe_route(const float* __restrict__ logits, int n_tokens, int n_experts, int top_k,
+                                     int normalize, float* __restrict__ weights_out, int* __restrict__ ids_out) {
+    extern __shared__ float shared[];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+    const long token = (long)blockIdx.x * (blockDim.x / 32) + warp;
+    if (token >= n_tokens) return;
+    float* p = shared + warp * n_experts;
+    const float* row = logits + token * n_experts;
     float m = NEG_INF;
-    int unused = 0;
-    for (int i = threadIdx.x; i < n_experts; i += blockDim.x) m = fmaxf(m, row[i]);
-    block_best(m, unused, sv, si);
+    for (int i = lane; i < n_experts; i += 32) m = fmaxf(m, row[i]);
+    m = warp_max(m);
     float sum = 0.0f;
-    for (int i = threadIdx.x; i < n_experts; i += blockDim.x) {
+    for (int i = lane; i < n_experts; i += 32) {
         p[i] = expf(row[i] - m);
         sum += p[i];
     }
     sum = warp_sum(sum);
-    if ((threadIdx.x & 31) == 0) sv[threadIdx.x / 32] = sum;
-    __syncthreads();
-    sum = 0.0f;
-    for (int w = 0; w < blockDim.x / 32; ++w) sum += sv[w];
-    __syncthreads();
-    for (int i = threadIdx.x; i < n_experts; i += blockDim.x) p[i] /= sum;
-    __syncthreads();
+    for (int i = lane; i < n_experts; i += 32) p[i] /= sum;
+    __syncwarp();
     float picked = 0.0f;
     for (int j = 0; j < top_k; ++j) {
         float bv = -0.5f;
         int bi = 0x7FFFFFFF;
-        for (int i = threadIdx.x; i < n_experts; i += blockDim.x)
+        for (int i = lane; i < n_experts; i += 32)
             if (better(p[i], i, bv, bi)) { bv = p[i]; bi = i; }
-        block_best(bv, bi, sv, si);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ov = __shfl_xor_sync(0xFFFFFFFFu, bv, o);
+            const int oi = __shfl_xor_sync(0xFFFFFFFFu, bi, o);
+            if (better(ov, oi, bv, bi)) { bv = ov; bi = oi; }
+        }
         if (bi >= n_experts) bi = j;
-        if (threadIdx.x == 0) {
-            ids_out[(long)blockIdx.x * top_k + j] = bi;
-            weights_out[(long)blockIdx.x * top_k + j] = p[bi];
+        if (lane == 0) {
+            ids_out[token * top_k + j] = bi;
+            weights_out[token * top_k + j] = p[bi];
             picked += p[bi];
             p[bi] = -1.0f;
         }
-        __syncthreads();
+        __syncwarp();
     }
-    if (threadIdx.x == 0 && normalize)
-        for (int j = 0; j < top_k; ++j) weights_out[(long)blockIdx.x * top_k + j] /= picked;
+    if (lane == 0 && normalize)
+        for (int j = 0; j < top_k; ++j) weights_out[token * top_k + j] /= picked;
 }
