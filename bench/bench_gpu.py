@@ -63,8 +63,6 @@ def graph_step_ms(state, reps: int = 50) -> float:
 def decode_breakdown_us(state, reps: int = 20) -> dict[str, float]:
     """Device time of each op of one decode step (layer 0, one token at the current position), each op captured
     `reps` times into its own graph and replayed."""
-    import cupy
-
     from engine.backend import ROPE_NORMAL
 
     backend, ws, c, w, cache = state.backend, state.workspace, state.config, state.weights, state.cache
@@ -84,22 +82,41 @@ def decode_breakdown_us(state, reps: int = 20) -> dict[str, float]:
         "down": lambda: backend.linear(ws.ffn[:1], layer.down, delta),
         "head": lambda: backend.linear(h, w.output, ws.logits),
     }
-    result = {}
-    for name, op in ops.items():
-        with backend.stream:
+    return {name: _replay_us(backend, op, reps) for name, op in ops.items()}
+
+
+def moe_breakdown_us(state, reps: int = 20) -> dict[str, float]:
+    """Like decode_breakdown_us for the mixture-of-experts half of a qwen3moe layer (layer 0): the norm in front,
+    router product, routing, and the chosen experts' FFN (gate/up, int8 quantization of the hidden vector, down)."""
+    backend, ws, c, layer = state.backend, state.workspace, state.config, state.weights.layers[0]
+    e, h = ws.extra, ws.h[:1]
+    ops = {
+        "add_rms_norm+q8": lambda: backend.add_rms_norm(ws.delta[:1], ws.x[:1], layer.attn.ffn_norm, c.rms_eps, h),
+        "router": lambda: backend.linear(h, layer.router, e["router_logits"][:1]),
+        "route": lambda: backend.moe_route(e["router_logits"][:1], c.top_k, c.normalize_weights, e["expert_weights"][:1], e["expert_ids"][:1]),
+        "experts": lambda: backend.moe_ffn(h, layer.gate_exps, layer.up_exps, layer.down_exps, e["expert_ids"][:1],
+                                           e["expert_weights"][:1], ws.delta[:1], e["expert_scratch"][:1]),
+    }
+    return {name: _replay_us(backend, op, reps) for name, op in ops.items()}
+
+
+def _replay_us(backend, op, reps: int) -> float:
+    """Microseconds per call of op, captured `reps` times into one graph and replayed once (after a warm-up)."""
+    import cupy
+
+    with backend.stream:
+        op()
+        backend.stream.begin_capture()
+        for _ in range(reps):
             op()
-            backend.stream.begin_capture()
-            for _ in range(reps):
-                op()
-            graph = backend.stream.end_capture()
-            graph.launch(backend.stream)
-            begin, end = cupy.cuda.Event(), cupy.cuda.Event()
-            begin.record(backend.stream)
-            graph.launch(backend.stream)
-            end.record(backend.stream)
-            end.synchronize()
-        result[name] = round(cupy.cuda.get_elapsed_time(begin, end) * 1e3 / reps, 2)
-    return result
+        graph = backend.stream.end_capture()
+        graph.launch(backend.stream)
+        begin, end = cupy.cuda.Event(), cupy.cuda.Event()
+        begin.record(backend.stream)
+        graph.launch(backend.stream)
+        end.record(backend.stream)
+        end.synchronize()
+    return round(cupy.cuda.get_elapsed_time(begin, end) * 1e3 / reps, 2)
 
 
 def gpu_name() -> str:
@@ -142,8 +159,10 @@ def run(path: Path, prompt_len: int, output_len: int, device: str) -> dict:
         runs.append((seconds, timed_decode(logits)))
     prompt_s, output_s = min(r[0] for r in runs), min(r[1] for r in runs)
     step_ms = graph_step_ms(state) if backend.name == "cupy" else None
-    # The per-op breakdown replays Llama's layer ops; other architectures report the whole step only.
-    breakdown = decode_breakdown_us(state) if backend.name == "cupy" and model.info.architecture == "llama" else None
+    # Per-op breakdowns exist for Llama's layer and the experts' half of a qwen3moe layer.
+    breakdowns = {"llama": decode_breakdown_us, "qwen3moe": moe_breakdown_us}
+    breakdown = breakdowns.get(model.info.architecture) if backend.name == "cupy" else None
+    breakdown = breakdown(state) if breakdown is not None else None
     per_token = bytes_per_token(state.weights, getattr(state.config, "top_k", None))
     output_tps = output_len / output_s
     floor_tps = BANDWIDTH / per_token
