@@ -33,9 +33,12 @@ _FIT_FRACTION = 0.95
 # for SmolLM2's 49,152 tokens and 353 MB for Gemma 3's 262,144, i.e. about 1.35 KB per token.
 _RAM_BASE_BYTES = 16 * MIB
 _RAM_PER_VOCAB_TOKEN = 1400
-# CUDA context, cuBLAS workspace and loaded kernels on the GPU, and the driver's host side in RAM. Typical
-# figures for CUDA 12 on consumer cards; not yet measured against our engine.
-_CUDA_CONTEXT_BYTES = 450 * MIB
+# CUDA context, loaded kernel modules and cuBLAS workspace on the GPU: 638-727 MB outside CuPy's pool measured on an
+# H200 (CUDA 13, CuPy 14.2) for three models (bench/RESULTS.md); other cards and CUDA versions are unmeasured.
+# The driver's host side in RAM is a typical figure, not measured against our engine.
+_CUDA_CONTEXT_BYTES = 610 * MIB
+# The GPU prompt path dequantizes one weight matrix at a time to fp16 scratch, capped at this many elements.
+_DEQUANT_SCRATCH_ELEMENTS = 64 * MIB
 _CUDA_HOST_BYTES = 300 * MIB
 # The NumPy CPU path is bound by reading its float32 weights once per token: about 10 GB/s on a 2-core EPYC
 # cloud machine, where decode runs on one BLAS thread (SmolLM2's 539 MB at 18-19 tokens/s, bench/bench_engine.py).
@@ -149,17 +152,23 @@ def kv_cache_bytes(model: CatalogModel, context_length: int, bytes_per_element: 
 def workspace_bytes(model: CatalogModel, context_length: int, chunk: int, on_gpu: bool) -> int:
     """float32 buffers for one prompt chunk (residual, norms, QKV, attention out, FFN and its scratch, last logits),
     the rotary cos/sin tables, and attention's working space: the NumPy reference holds one layer's scores for the
-    chunk against the whole context, the GPU kernel only per-head partial sums (chunk x heads x (head_dim + 2))."""
+    chunk against the whole context, the GPU kernel only per-head partial sums (chunk x heads x (head_dim + 2));
+    on the GPU also the prompt path's fp16 scratch."""
     q_dim = model.n_heads * model.head_dim
     kv_dim = model.n_kv_heads * model.head_dim
     ffn = model.n_ff * (model.n_experts_used or 1)
     per_token = 3 * model.n_embd + 2 * q_dim + 2 * kv_dim + 2 * ffn
-    if on_gpu:
-        attention = chunk * model.n_heads * (model.head_dim + 2)
-    else:
-        attention = chunk * model.n_heads * context_length
     rope = context_length * model.head_dim
-    return 4 * (chunk * per_token + model.vocab_size + attention + rope)
+    if not on_gpu:
+        attention = chunk * model.n_heads * context_length
+        return 4 * (chunk * per_token + model.vocab_size + attention + rope)
+    attention = chunk * model.n_heads * (model.head_dim + 2)
+    # fp16 scratch of the prompt path: the largest dense matrix dequantized, and the chunk's activations (experts
+    # run per token without scratch).
+    dense_ffn = 0 if model.is_moe else model.n_ff
+    largest = max(dense_ffn, q_dim + 2 * kv_dim) * model.n_embd
+    fp16 = min(largest, _DEQUANT_SCRATCH_ELEMENTS) + chunk * max(model.n_ff, model.n_embd, q_dim)
+    return 4 * (chunk * per_token + model.vocab_size + attention + rope) + 2 * fp16
 
 
 def estimate_memory(

@@ -64,8 +64,10 @@ def test_gpu_estimate_uploads_the_quantized_file():
     assert e.vram_bytes == e.gpu_weights_bytes + e.kv_cache_bytes + e.workspace_bytes + e.gpu_overhead_bytes
     assert e.workspace_bytes == workspace_bytes(qwen, 8192, 512, on_gpu=True)
     # The GPU's attention keeps partial sums, not the chunk's scores against the whole context as NumPy does.
-    assert workspace_bytes(qwen, 8192, 512, on_gpu=False) - e.workspace_bytes == 4 * 512 * 32 * (8192 - 130)
-    assert 300 * MIB <= e.gpu_overhead_bytes <= 500 * MIB
+    # ...and the GPU's prompt path holds fp16 scratch: the gate matrix dequantized, and the chunk's FFN activations.
+    fp16_scratch = 2 * (12288 * 4096 + 512 * 12288)
+    assert workspace_bytes(qwen, 8192, 512, on_gpu=False) - e.workspace_bytes == 4 * 512 * 32 * (8192 - 130) - fp16_scratch
+    assert 600 * MIB <= e.gpu_overhead_bytes <= 700 * MIB
     assert e.ram_required_bytes == e.ram_overhead_bytes < 1 * GIB
     assert e.ram_bytes == e.ram_required_bytes + qwen.file_bytes
     assert e.ram_after_load_bytes == e.ram_required_bytes
@@ -104,10 +106,10 @@ def test_estimate_refuses_impossible_placements():
 
 
 def test_largest_context_is_exactly_the_boundary():
-    busy = pc(32, 26, [("RTX 4090", 24, 3.5)])
+    busy = pc(32, 26, [("RTX 4090", 24, 3.8)])
     fit = fit_model(get_model("qwen3-4b"), busy, Preferences(), ENGINE)
     assert fit.level == "gpu" and fit.context_length == fit.largest_context_that_fits < 8192
-    budget = 0.95 * 3.5 * GIB
+    budget = 0.95 * 3.8 * GIB
     qwen = get_model("qwen3-4b")
     assert estimate_memory(qwen, fit.largest_context_that_fits, "gpu", ENGINE).vram_bytes <= budget
     assert estimate_memory(qwen, fit.largest_context_that_fits + 1, "gpu", ENGINE).vram_bytes > budget
@@ -127,7 +129,7 @@ TABLE = [
     ("16 GB RAM, 8 GB card", pc(16, 12, [("RTX 4060", 8, 7.5)]), "speed", ENGINE, {},
      ("llama-3.2-3b-instruct", "gpu", 8192, ["Runs on the GPU (RTX 4060)", "fastest useful model", "1.9 GB"])),
     ("32 GB RAM, 8 GB card", pc(32, 26, [("RTX 4060", 8, 7.5)]), "code", ENGINE, {},
-     ("qwen3-8b", "gpu", 8192, ["Runs on the GPU (RTX 4060): 6.3 GB of the 7.5 GB free VRAM"])),
+     ("qwen3-8b", "gpu", 8192, ["Runs on the GPU (RTX 4060): 6.6 GB of the 7.5 GB free VRAM"])),
     ("32 GB RAM, 12 GB card", pc(32, 26, [("RTX 3060", 12, 11.5)]), "chat", ENGINE, {},
      ("qwen3-14b", "gpu", 8192, ["Runs on the GPU (RTX 3060)", "best model for chat"])),
     ("64 GB RAM, 16 GB card", pc(64, 55, [("RTX 4080", 16, 15.3)]), "chat", ENGINE, {},
@@ -137,7 +139,7 @@ TABLE = [
     ("128 GB RAM, 24 GB card", pc(128, 120, [("RTX 4090", 24, 23.5)]), "chat", ENGINE, {},
      ("qwen3-32b", "gpu", 8192, ["Runs on the GPU (RTX 4090): 21 GB of the 24 GB free VRAM"])),
     ("24 GB card, other programs hold 20.5 GB", pc(32, 26, [("RTX 4090", 24, 3.5)]), "chat", ENGINE, {},
-     ("qwen3-4b", "gpu", 3483, ["of the 3.5 GB free VRAM", "context reduced from 8192 to fit"])),
+     ("llama-3.2-3b-instruct", "gpu", 6739, ["of the 3.5 GB free VRAM", "context reduced from 8192 to fit"])),
     ("24 GB card, 32768 tokens asked", pc(32, 26, [("RTX 4090", 24, 23.5)]), "chat", ENGINE,
      {"context_length": 32768}, ("qwen3-30b-a3b", "gpu", 32768, ["with 32768 tokens of context"])),
     ("no GPU detected, 12 GB VRAM override", pc(32, 26), "chat", ENGINE, {"vram_bytes_override": 12 * GIB},
@@ -145,9 +147,9 @@ TABLE = [
     ("12 GB card, RAM override 8 GB", pc(128, 120, [("RTX 3060", 12, 11.5)]), "code", MOE_F32,
      {"ram_bytes_override": 8 * GIB}, ("qwen3-14b", "gpu", 8192, ["Runs on the GPU (RTX 3060)"])),
     ("12 GB card, 128 GB RAM, float32 experts in RAM", pc(128, 120, [("RTX 3060", 12, 11.5)]), "code", MOE_F32, {},
-     ("qwen3-coder-30b-a3b-instruct", "gpu+ram", 8192, ["72 experts per layer there and the rest in RAM"])),
+     ("qwen3-coder-30b-a3b-instruct", "gpu+ram", 8192, ["70 experts per layer there and the rest in RAM"])),
     ("8 GB card, 32 GB RAM, quantized experts in RAM", pc(32, 26, [("RTX 4060", 8, 7.5)]), "code", MOE_QUANT, {},
-     ("qwen3-coder-30b-a3b-instruct", "gpu+ram", 8192, ["41 experts per layer"])),
+     ("qwen3-coder-30b-a3b-instruct", "gpu+ram", 8192, ["39 experts per layer"])),
 ]
 
 
