@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from gpu_support import require_gpu
 from gguf import GGMLQuantizationType as T
 
 from conftest import cache_dir
@@ -24,12 +25,8 @@ from engine.generate import decode_one_token, prefill
 from gguf_convert import write_gguf, write_tokenizer_gguf
 from test_engine_arch_tiny import ARCHS, GGUF_ARCH, PROMPTS, _build, _randomize_norms, _round_matrices_to_f16
 
-cp = pytest.importorskip("cupy")
-try:
-    _GPUS = cp.cuda.runtime.getDeviceCount()
-except cp.cuda.runtime.CUDARuntimeError:
-    _GPUS = 0
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_GPUS == 0, reason="no NVIDIA GPU")]
+cp = require_gpu()
+pytestmark = pytest.mark.gpu
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.make_synthetic_gguf import write_model  # noqa: E402

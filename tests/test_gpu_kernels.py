@@ -6,6 +6,7 @@ Tolerances (relative error of the whole output): float32 arithmetic 1e-5, fp16 o
 
 import numpy as np
 import pytest
+from gpu_support import require_gpu
 from gguf import GGMLQuantizationType as T
 
 from engine import quants
@@ -13,12 +14,8 @@ from engine.backend import SamplingParams
 from engine.kernels import reference
 from engine.kernels.gpu_layout import FLOAT_TYPES, PLANES, random_blocks
 
-cp = pytest.importorskip("cupy")
-try:
-    _GPUS = cp.cuda.runtime.getDeviceCount()
-except cp.cuda.runtime.CUDARuntimeError:
-    _GPUS = 0
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_GPUS == 0, reason="no NVIDIA GPU")]
+cp = require_gpu()
+pytestmark = pytest.mark.gpu
 
 from engine.kernels import cuda as K  # noqa: E402  (needs CuPy)
 

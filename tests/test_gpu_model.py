@@ -7,18 +7,15 @@ only where the CPU path's top two logits are within 0.05.
 
 import numpy as np
 import pytest
+from gpu_support import require_gpu
 
 from engine import GenerationSettings, load_model
 from engine.backend import SamplingParams
 from engine.generate import decode_one_token, prefill
 from engine.kernels import reference
 
-cp = pytest.importorskip("cupy")
-try:
-    _GPUS = cp.cuda.runtime.getDeviceCount()
-except cp.cuda.runtime.CUDARuntimeError:
-    _GPUS = 0
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_GPUS == 0, reason="no NVIDIA GPU")]
+cp = require_gpu()
+pytestmark = pytest.mark.gpu
 
 TEXT = (
     "The river town woke slowly. Fishermen pulled their boats onto the gravel while the baker, who had been up "

@@ -10,6 +10,7 @@ FFN within 1e-4 relative error against the reference run on the two-level int8 a
 
 import numpy as np
 import pytest
+from gpu_support import require_gpu
 from gguf import GGMLQuantizationType as T
 
 from engine import quants
@@ -17,12 +18,8 @@ from engine.gguf_file import GGUFTensor
 from engine.kernels import reference
 from engine.kernels.gpu_layout import random_blocks
 
-cp = pytest.importorskip("cupy")
-try:
-    _GPUS = cp.cuda.runtime.getDeviceCount()
-except cp.cuda.runtime.CUDARuntimeError:
-    _GPUS = 0
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_GPUS == 0, reason="no NVIDIA GPU")]
+cp = require_gpu()
+pytestmark = pytest.mark.gpu
 
 from engine.backend_cupy import CupyBackend  # noqa: E402  (needs CuPy)
 
