@@ -17,10 +17,9 @@ from pathlib import Path
 
 import psutil
 
-from engine import EngineError, LoadedModel, load_model
-from engine import capabilities
+from engine import EngineError, LoadedModel, capabilities, load_model
 from setup_logic.catalog import get_model
-from setup_logic.errors import SetupError
+from setup_logic.errors import SetupError, UnknownModelError
 from setup_logic.fit import EngineProfile, MemoryEstimate, estimate_memory
 from setup_logic.install import Installer
 from setup_logic.store import Store
@@ -38,7 +37,7 @@ def measure_memory() -> dict:
         finally:
             pynvml.nvmlShutdown()
     except Exception:  # no NVIDIA driver: a normal case, not an error
-        used = None
+        pass
     return {"process_rss_bytes": psutil.Process().memory_info().rss, "gpu_used_bytes": used}
 
 
@@ -72,7 +71,6 @@ class LoadProgress:
 class EngineSlot:
     state: str = "stopped"  # stopped | loading | ready | busy | failed
     model_id: str | None = None
-    device: str = "auto"
     model: LoadedModel | None = None
     load: LoadProgress = field(default_factory=LoadProgress)
     load_started: float = 0.0
@@ -105,17 +103,15 @@ class Runtime:
                     f"{slot.model_id} is {slot.state}; call stop first, then start {model_id}."
                 )
             self._cancel_load.clear()
-            self.slot = EngineSlot(
-                state="loading", model_id=model_id, device=device, load_started=time.monotonic(),
+            slot = self.slot = EngineSlot(
+                state="loading", model_id=model_id, load_started=time.monotonic(),
                 memory_before_load=measure_memory(),
             )
         threading.Thread(
-            target=self._load, args=(path, device, context_length), name="engine-load", daemon=True
+            target=self._load, args=(slot, path, device, context_length), name="engine-load", daemon=True
         ).start()
 
-    def _load(self, path: Path, device: str, context_length: int | None) -> None:
-        slot = self.slot
-
+    def _load(self, slot: EngineSlot, path: Path, device: str, context_length: int | None) -> None:
         def on_progress(done: int, total: int, message: str) -> None:
             slot.load = LoadProgress(done, total, message)
 
@@ -149,9 +145,13 @@ class Runtime:
         """choose_model's estimate for the loaded model at its context, on the device it runs on."""
         if slot.model is None or slot.model_id is None:
             return None
+        try:
+            model = get_model(slot.model_id)
+        except UnknownModelError:  # installed from a catalog that is no longer configured
+            return None
         info = slot.model.info
         level = "cpu" if info.backend == "numpy" else "gpu"
-        return estimate_memory(get_model(slot.model_id), info.context_length, level, engine_profile())
+        return estimate_memory(model, info.context_length, level, engine_profile())
 
     # -- unloading -----------------------------------------------------------------------
     def stop_model(self, force: bool, timeout: float = 30.0) -> EngineSlot:
