@@ -71,29 +71,45 @@ class WeightHandle(Protocol):
     nbytes: int  # bytes the stored form takes in the backend's memory
 
 
-class RopeTable(Protocol):
-    """Rotary cos/sin for positions [0, max_positions) made by `Backend.rope_table`."""
+@dataclass
+class RopeTable:
+    """Rotary cos/sin for positions [0, max_positions) made by `Backend.rope_table`, in backend memory."""
 
-    rot_dim: int  # number of leading dims of each head that rotate (== head_dim for full rotary)
-    max_positions: int
+    cos: Array  # (max_positions, rot_dim / 2) float32
+    sin: Array
+
+    @property
+    def rot_dim(self) -> int:
+        """Leading dims of each head that rotate (== head_dim for full rotary)."""
+        return 2 * self.cos.shape[1]
+
+    @property
+    def max_positions(self) -> int:
+        return self.cos.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.cos.nbytes + self.sin.nbytes)
 
 
-class KVCache(Protocol):
+@dataclass
+class KVCache:
     """Keys and values of every layer, made by `Backend.kv_cache`.
 
-    Layout: `k` and `v` have shape (n_layers, n_kv_heads, max_tokens, head_dim) and dtype `dtype`. Only
-    `rope_store_kv` writes them and only `attention` reads them; the positions in use are the caller's
+    Layout: `k` and `v` have shape (n_layers, n_kv_heads, max_tokens, head_dim) and the backend's cache dtype.
+    Only `rope_store_kv` writes them and only `attention` reads them; the positions in use are the caller's
     bookkeeping (the cache does not know its own length).
     """
 
     k: Array
     v: Array
-    n_layers: int
-    n_kv_heads: int
-    head_dim: int
-    max_tokens: int
-    dtype: np.dtype
-    nbytes: int
+
+    n_layers = property(lambda self: self.k.shape[0])
+    n_kv_heads = property(lambda self: self.k.shape[1])
+    max_tokens = property(lambda self: self.k.shape[2])
+    head_dim = property(lambda self: self.k.shape[3])
+    dtype = property(lambda self: np.dtype(self.k.dtype))
+    nbytes = property(lambda self: int(self.k.nbytes + self.v.nbytes))
 
 
 class Backend(Protocol):

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import functools
 import gc
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import cupy
 import numpy as np
 
 from engine import quants
-from engine.backend import ROPE_NEOX, ROPE_NORMAL, SamplingParams
+from engine.backend import ROPE_NEOX, ROPE_NORMAL, KVCache, RopeTable, SamplingParams
 from engine.errors import EngineError
 from engine.gguf_file import GGUFTensor
 from engine.kernels import cuda as K
@@ -48,37 +47,6 @@ def unavailable_reason() -> str | None:
             f"{MIN_COMPUTE_CAPABILITY[0]}.{MIN_COMPUTE_CAPABILITY[1]} this engine's kernels need"
         )
     return None
-
-
-@dataclass
-class CupyRope:
-    cos: Any  # (max_positions, rot_dim / 2) float32
-    sin: Any
-
-    @property
-    def rot_dim(self) -> int:
-        return 2 * self.cos.shape[1]
-
-    @property
-    def max_positions(self) -> int:
-        return self.cos.shape[0]
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.cos.nbytes + self.sin.nbytes)
-
-
-@dataclass
-class CupyKVCache:
-    k: Any  # (n_layers, n_kv_heads, max_tokens, head_dim) float16
-    v: Any
-
-    n_layers = property(lambda self: self.k.shape[0])
-    n_kv_heads = property(lambda self: self.k.shape[1])
-    max_tokens = property(lambda self: self.k.shape[2])
-    head_dim = property(lambda self: self.k.shape[3])
-    dtype = property(lambda self: np.dtype(np.float16))
-    nbytes = property(lambda self: int(self.k.nbytes + self.v.nbytes))
 
 
 def _on_stream(method: Callable) -> Callable:
@@ -162,21 +130,21 @@ class CupyBackend:
         return self._hold(K.upload_weight(tensor.name, tensor.qtype, shape, tensor.raw))
 
     @_on_stream
-    def rope_table(self, inv_freq: np.ndarray, max_positions: int, attn_factor: float = 1.0) -> CupyRope:
+    def rope_table(self, inv_freq: np.ndarray, max_positions: int, attn_factor: float = 1.0) -> RopeTable:
         angles = np.outer(np.arange(max_positions, dtype=np.float64), inv_freq.astype(np.float64))
         cos = cupy.asarray((np.cos(angles) * attn_factor).astype(np.float32))
         sin = cupy.asarray((np.sin(angles) * attn_factor).astype(np.float32))
-        return self._hold(CupyRope(cos, sin))
+        return self._hold(RopeTable(cos, sin))
 
     @_on_stream
-    def kv_cache(self, n_layers: int, n_kv_heads: int, head_dim: int, max_tokens: int) -> CupyKVCache:
+    def kv_cache(self, n_layers: int, n_kv_heads: int, head_dim: int, max_tokens: int) -> KVCache:
         if head_dim not in K.HEAD_DIMS:
             raise EngineError(
                 f"This model's attention heads have {head_dim} dims; the GPU backend supports "
                 f"{', '.join(map(str, K.HEAD_DIMS))}. Run it on the CPU with device='cpu'."
             )
         shape = (n_layers, n_kv_heads, max_tokens, head_dim)
-        return self._hold(CupyKVCache(cupy.zeros(shape, cupy.float16), cupy.zeros(shape, cupy.float16)))
+        return self._hold(KVCache(cupy.zeros(shape, cupy.float16), cupy.zeros(shape, cupy.float16)))
 
     def memory_in_use(self) -> dict[str, int]:
         """Bytes in CuPy's pool for this process, and the GPU's free/total memory as the driver reports it."""
@@ -352,14 +320,14 @@ class CupyBackend:
         return self._moe_hidden_q8
 
     @_on_stream
-    def rope_store_kv(self, q, k, v, rope: CupyRope, style: str, cache: CupyKVCache, layer: int, start) -> None:
+    def rope_store_kv(self, q, k, v, rope: RopeTable, style: str, cache: KVCache, layer: int, start) -> None:
         if style not in (ROPE_NORMAL, ROPE_NEOX):
             raise EngineError(f"Unknown rotary style {style!r}.")
         self._q8_of = None
         K.rope_store_kv(q, k, v, rope.cos, rope.sin, style == ROPE_NEOX, cache.k[layer], cache.v[layer], start)
 
     @_on_stream
-    def attention(self, q, cache: CupyKVCache, layer: int, start, out, scale: float, window: int = 0) -> None:
+    def attention(self, q, cache: KVCache, layer: int, start, out, scale: float, window: int = 0) -> None:
         n, n_heads, hd = q.shape
         q8 = self._quantize_output(out) if n == 1 else None
         part = None

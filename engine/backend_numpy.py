@@ -14,7 +14,7 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from engine import quants
-from engine.backend import SamplingParams
+from engine.backend import KVCache, RopeTable, SamplingParams
 from engine.errors import EngineError
 from engine.gguf_file import GGUFTensor
 from engine.kernels import reference
@@ -29,54 +29,6 @@ class NumpyWeight:
     @property
     def nbytes(self) -> int:
         return int(self.data.nbytes)
-
-
-@dataclass
-class NumpyRope:
-    cos: np.ndarray  # (max_positions, rot_dim / 2) float32
-    sin: np.ndarray
-
-    @property
-    def rot_dim(self) -> int:
-        return 2 * self.cos.shape[1]
-
-    @property
-    def max_positions(self) -> int:
-        return self.cos.shape[0]
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.cos.nbytes + self.sin.nbytes)
-
-
-@dataclass
-class NumpyKVCache:
-    k: np.ndarray  # (n_layers, n_kv_heads, max_tokens, head_dim)
-    v: np.ndarray
-
-    @property
-    def n_layers(self) -> int:
-        return self.k.shape[0]
-
-    @property
-    def n_kv_heads(self) -> int:
-        return self.k.shape[1]
-
-    @property
-    def max_tokens(self) -> int:
-        return self.k.shape[2]
-
-    @property
-    def head_dim(self) -> int:
-        return self.k.shape[3]
-
-    @property
-    def dtype(self) -> np.dtype:
-        return self.k.dtype
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.k.nbytes + self.v.nbytes)
 
 
 class NumpyBackend:
@@ -113,12 +65,12 @@ class NumpyBackend:
             raise EngineError(f"Tensor {tensor.name} is damaged ({exc}); download the model again.") from None
         return self._hold(NumpyWeight(tensor.name, tuple(tensor.shape), np.ascontiguousarray(data, dtype=np.float32)))
 
-    def rope_table(self, inv_freq: np.ndarray, max_positions: int, attn_factor: float = 1.0) -> NumpyRope:
-        return self._hold(NumpyRope(*reference.rope_tables(inv_freq, max_positions, attn_factor)))
+    def rope_table(self, inv_freq: np.ndarray, max_positions: int, attn_factor: float = 1.0) -> RopeTable:
+        return self._hold(RopeTable(*reference.rope_tables(inv_freq, max_positions, attn_factor)))
 
-    def kv_cache(self, n_layers: int, n_kv_heads: int, head_dim: int, max_tokens: int) -> NumpyKVCache:
+    def kv_cache(self, n_layers: int, n_kv_heads: int, head_dim: int, max_tokens: int) -> KVCache:
         shape = (n_layers, n_kv_heads, max_tokens, head_dim)
-        return self._hold(NumpyKVCache(np.zeros(shape, self.kv_dtype), np.zeros(shape, self.kv_dtype)))
+        return self._hold(KVCache(np.zeros(shape, self.kv_dtype), np.zeros(shape, self.kv_dtype)))
 
     def memory_in_use(self) -> dict[str, int]:
         return {"host_bytes": sum(int(obj.nbytes) for obj in self._held), "device_bytes": 0}
@@ -164,10 +116,10 @@ class NumpyBackend:
     def moe_ffn(self, x, gate_exps: NumpyWeight, up_exps: NumpyWeight, down_exps: NumpyWeight, ids, weights, out, scratch, activation: str = "silu") -> None:
         reference.moe_ffn(x, gate_exps.data, up_exps.data, down_exps.data, ids, weights, out, scratch, activation)
 
-    def rope_store_kv(self, q, k, v, rope: NumpyRope, style: str, cache: NumpyKVCache, layer: int, start) -> None:
+    def rope_store_kv(self, q, k, v, rope: RopeTable, style: str, cache: KVCache, layer: int, start) -> None:
         reference.rope_store_kv(q, k, v, rope.cos, rope.sin, style, cache.k[layer], cache.v[layer], int(start[0]))
 
-    def attention(self, q, cache: NumpyKVCache, layer: int, start, out, scale: float, window: int = 0) -> None:
+    def attention(self, q, cache: KVCache, layer: int, start, out, scale: float, window: int = 0) -> None:
         reference.attention(q, cache.k[layer], cache.v[layer], int(start[0]), out, scale, window)
 
     def sample(self, logits, params: SamplingParams, recent_tokens: np.ndarray, uniform: float) -> int:
