@@ -67,11 +67,13 @@ class ChatOutput(BaseModel):
 
 def run(runtime: Runtime, args: ChatInput, reporter: Reporter) -> ChatOutput:
     with runtime.chatting() as (model, cancel_event):
-        pieces: list[str] = []
+        streamed = {"pieces": 0, "tail": ""}
 
         def on_text(text: str) -> None:
-            pieces.append(text)
-            reporter.progress(len(pieces), args.max_tokens, "".join(pieces)[-200:])
+            # Only the last 200 characters travel with a progress update; keep just those, not the whole answer.
+            streamed["pieces"] += 1
+            streamed["tail"] = (streamed["tail"] + text)[-200:]
+            reporter.progress(streamed["pieces"], args.max_tokens, streamed["tail"])
 
         if not args.raw and not model.info.has_chat_template:
             raise UserError(
