@@ -75,6 +75,8 @@ async def test_whole_chain(tmp_path, smollm2_gguf):
         started = started_result.structured_content
         assert started["engine"]["state"] == "ready"
         assert load_progress, "start sent no progress while loading"
+        offered = {c["model_id"]: c for c in [choice["choice"], *choice["alternatives"]]}
+        assert started["engine"]["context_length"] == offered["smollm2-135m-instruct"]["context_length"]
         assert started["engine"]["backend"] == "numpy"
         memory = started["engine"]["memory"]
         # The fit's estimate is the one choose_model uses: it must match what loading really cost.

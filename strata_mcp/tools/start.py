@@ -7,8 +7,12 @@ from typing import Literal
 from mcp.types import ToolAnnotations
 from pydantic import BaseModel, Field
 
+from setup_logic.catalog import get_model
+from setup_logic.errors import UnknownModelError
+from setup_logic.fit import Preferences, fit_model
+from setup_logic.hardware import probe
 from strata_mcp.reports import EngineStatus, engine_status
-from strata_mcp.runtime import Runtime, UserError
+from strata_mcp.runtime import Runtime, UserError, engine_profile
 from strata_mcp.tooling import Reporter, ToolSpec
 
 
@@ -17,7 +21,10 @@ class StartInput(BaseModel):
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="auto: the GPU when an NVIDIA GPU with CUDA and CuPy is usable, else the CPU."
     )
-    context_length: int | None = Field(None, ge=256, le=1_048_576, description="Tokens of context; default 4096 or the model's maximum if smaller.")
+    context_length: int | None = Field(
+        None, ge=256, le=1_048_576,
+        description="Tokens of context; default: the context choose_model picks for this model on this PC.",
+    )
     wait_seconds: float = Field(120.0, ge=0, le=3600, description="How long to wait for the load (reporting progress) before returning 'loading'.")
 
 
@@ -37,9 +44,20 @@ def _pick_model(runtime: Runtime, requested: str | None) -> str:
     raise UserError(f"Several models are installed ({', '.join(installed)}); pass model to say which to start.")
 
 
+def _fitted_context(runtime: Runtime, model_id: str, device: str) -> int | None:
+    """The context choose_model picks for this model on this PC, so the two agree; None leaves it to the engine."""
+    try:
+        model = get_model(model_id)
+    except UnknownModelError:  # installed from a catalog that is no longer configured
+        return None
+    prefs = Preferences(vram_bytes_override=0 if device == "cpu" else None)
+    return fit_model(model, probe(runtime.store.data_dir), prefs, engine_profile()).context_length
+
+
 def run(runtime: Runtime, args: StartInput, reporter: Reporter) -> StartOutput:
     model_id = _pick_model(runtime, args.model)
-    runtime.start_model(model_id, args.device, args.context_length)
+    context = args.context_length or _fitted_context(runtime, model_id, args.device)
+    runtime.start_model(model_id, args.device, context)
     slot = runtime.wait_until_loaded(args.wait_seconds, reporter.cancelled, reporter.progress)
     status = engine_status(slot, runtime.memory_estimate(slot))
     if slot.state in ("ready", "busy"):
