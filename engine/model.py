@@ -183,56 +183,57 @@ def load_model(
     """Open a GGUF, pick a backend and upload the weights. on_progress gets (tensors done, total, message);
     should_cancel returning True stops the load with `Cancelled` (an EngineError)."""
     gguf = GGUFFile(path)
-    arch = architecture_module(gguf.architecture, f"The model {gguf.path.name}")
-    config = arch.read_config(gguf)
-    max_context = int(config.context_length)
-    if context_length is None:
-        context = min(max_context, DEFAULT_CONTEXT)
-    elif not isinstance(context_length, int) or context_length < 1:
-        raise EngineError(f"context_length must be a positive number of tokens, not {context_length!r}.")
-    elif context_length > max_context:
-        raise EngineError(
-            f"context_length {context_length} is longer than {gguf.path.name} supports ({max_context} tokens). "
-            f"Use {max_context} or less."
-        )
-    else:
-        context = context_length
-    tokenizer = Tokenizer(gguf)
-    template = ChatTemplate.from_gguf(gguf)
-    backend, reason = select_backend(device)
     try:
-        _check_cpu_memory(gguf, backend)
-        weights = arch.load_weights(gguf, config, backend, context, on_progress, should_cancel)
-        weight_bytes = backend.memory_in_use()
-        weight_bytes = weight_bytes["host_bytes"] + weight_bytes["device_bytes"]
-        cache = backend.kv_cache(config.n_layers, config.n_kv_heads, config.head_dim, context)
-        workspace = arch.new_workspace(config, backend, min(MAX_PROMPT_CHUNK, context))
-    except MemoryError:
-        backend.close()
-        raise EngineError(f"Not enough memory to load {gguf.path.name}; free memory or use a smaller model.") from None
-    except BaseException:
-        backend.close()
-        raise
+        arch = architecture_module(gguf.architecture, f"The model {gguf.path.name}")
+        config = arch.read_config(gguf)
+        max_context = int(config.context_length)
+        if context_length is None:
+            context = min(max_context, DEFAULT_CONTEXT)
+        elif not isinstance(context_length, int) or context_length < 1:
+            raise EngineError(f"context_length must be a positive number of tokens, not {context_length!r}.")
+        elif context_length > max_context:
+            raise EngineError(
+                f"context_length {context_length} is longer than {gguf.path.name} supports ({max_context} tokens). "
+                f"Use {max_context} or less."
+            )
+        else:
+            context = context_length
+        tokenizer = Tokenizer(gguf)
+        template = ChatTemplate.from_gguf(gguf)
+        backend, reason = select_backend(device)
+        try:
+            _check_cpu_memory(gguf, backend)
+            weights = arch.load_weights(gguf, config, backend, context, on_progress, should_cancel)
+            weight_bytes = backend.memory_in_use()
+            weight_bytes = weight_bytes["host_bytes"] + weight_bytes["device_bytes"]
+            cache = backend.kv_cache(config.n_layers, config.n_kv_heads, config.head_dim, context)
+            workspace = arch.new_workspace(config, backend, min(MAX_PROMPT_CHUNK, context))
+        except MemoryError:
+            backend.close()
+            raise EngineError(f"Not enough memory to load {gguf.path.name}; free memory or use a smaller model.") from None
+        except BaseException:
+            backend.close()
+            raise
 
-    def decode_step() -> None:
-        arch.forward(config, weights, workspace, backend, cache, 1)
+        def decode_step() -> None:
+            arch.forward(config, weights, workspace, backend, cache, 1)
 
-    state = ModelState(arch, config, weights, workspace, cache, backend, CachedTokens(context), backend.compile_step(decode_step))
-    summary = gguf.summary()
-    info = ModelInfo(
-        architecture=summary.architecture,
-        name=summary.name,
-        context_length=context,
-        max_context_length=max_context,
-        n_layers=config.n_layers,
-        vocab_size=config.vocab_size,
-        tensor_types=summary.tensor_types,
-        backend=backend.name,
-        backend_reason=reason,
-        weight_bytes=weight_bytes,
-        kv_cache_bytes=cache.nbytes,
-        has_chat_template=template is not None,
-    )
-    model = LoadedModel(gguf, state, tokenizer, template, info)
-    gguf.close()  # everything needed is uploaded or copied; drop the file mapping
-    return model
+        state = ModelState(arch, config, weights, workspace, cache, backend, CachedTokens(context), backend.compile_step(decode_step))
+        summary = gguf.summary()
+        info = ModelInfo(
+            architecture=summary.architecture,
+            name=summary.name,
+            context_length=context,
+            max_context_length=max_context,
+            n_layers=config.n_layers,
+            vocab_size=config.vocab_size,
+            tensor_types=summary.tensor_types,
+            backend=backend.name,
+            backend_reason=reason,
+            weight_bytes=weight_bytes,
+            kv_cache_bytes=cache.nbytes,
+            has_chat_template=template is not None,
+        )
+        return LoadedModel(gguf, state, tokenizer, template, info)
+    finally:
+        gguf.close()  # everything needed is uploaded or copied (or the load failed): drop the file mapping
