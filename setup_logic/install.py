@@ -190,15 +190,15 @@ class Installer:
 
     # ----- planning (reads only) -----
 
+    def _own_path(self, model: CatalogModel, name: str) -> Path:
+        """A file in the model's folder, checked against the data folder like every other path."""
+        return self.store.resolve(f"models/{model.id}/{name}")
+
     def _file_path(self, model: CatalogModel, file: ModelFile) -> Path:
-        return self.store.resolve(f"models/{model.id}/{file.name}")
+        return self._own_path(model, file.name)
 
     def _part_path(self, model: CatalogModel, file: ModelFile) -> Path:
-        return self.store.resolve(f"models/{model.id}/{file.name}.part")
-
-    def _own_path(self, model: CatalogModel, name: str) -> Path:
-        """A file of the installer's own in the model's folder (checked like every other path)."""
-        return self.store.resolve(f"models/{model.id}/{name}")
+        return self._own_path(model, f"{file.name}.part")
 
     def _is_installed(self, model: CatalogModel) -> bool:
         entry = self.store.get_installed(model.id)
