@@ -74,8 +74,7 @@ class CupyBackend:
         self._q8: list[K.Q8] = []
         self._q8_of: tuple[int, int] | None = None  # (pointer, size) of the vector that _q8[_q8_set] holds
         self._q8_set = 0
-        self._decode_part: Any = None
-        self._moe_hidden_q8: K.Q8 | None = None
+        self._decode_scratch: dict[str, Any] = {}
         # Prompt-path and sampling scratch, grown as needed outside graphs.
         self._scratch: dict[str, Any] = {}
         self._graphs: list[Any] = []
@@ -161,7 +160,8 @@ class CupyBackend:
 
     def compile_step(self, step: Callable[[], None]) -> Callable[[], None]:
         """The first call runs `step` directly (compiling kernels and sizing scratch), then captures it as a CUDA
-        graph; later calls replay the graph: one launch per decode step, no host synchronization in it."""
+        graph whose kernels overlap their predecessors' tails (K.programmatic_launches); later calls replay the
+        graph: one launch per decode step, no host synchronization in it."""
         graph: list[Any] = []
 
         def run() -> None:
@@ -172,7 +172,8 @@ class CupyBackend:
                 step()
                 self.stream.begin_capture()
                 try:
-                    step()
+                    with K.programmatic_launches():
+                        step()
                 finally:
                     captured = self.stream.end_capture()
             graph.append(captured)
@@ -190,8 +191,7 @@ class CupyBackend:
         self._scratch.clear()
         self._graphs.clear()
         self._q8 = []
-        self._decode_part = None
-        self._moe_hidden_q8 = None
+        self._decode_scratch.clear()
         gc.collect()  # arrays kept alive only by reference cycles go back to the pool before it is emptied
         cupy.get_default_memory_pool().free_all_blocks()
         cupy.get_default_pinned_memory_pool().free_all_blocks()
@@ -209,6 +209,11 @@ class CupyBackend:
 
     @_on_stream
     def add_rms_norm(self, x: Any, residual: Any, weight: K.GpuWeight, eps: float, out: Any) -> None:
+        if x.shape[-1] > K.ADD_NORM_MAX:
+            raise EngineError(
+                f"This model's hidden size {x.shape[-1]} is above the {K.ADD_NORM_MAX} the GPU backend's norm kernel "
+                "handles. Run it on the CPU with device='cpu'."
+            )
         K.add_rms_norm(x, residual, weight.data, eps, out, self._quantize_output(out))
 
     def _q8_sets(self) -> list[K.Q8]:
@@ -313,11 +318,9 @@ class CupyBackend:
                     self._buffer(f"moe_{key}_ds", size // 16, cupy.float32).reshape(-1, 2))
 
     def _moe_decode_q8(self, size: int) -> K.Q8:
-        """The one-token experts' hidden vector in int8: allocated once, never regrown, since a captured decode
-        graph keeps its address."""
-        if self._moe_hidden_q8 is None:
-            self._moe_hidden_q8 = K.Q8.empty(size)
-        return self._moe_hidden_q8
+        """The one-token experts' hidden vector in int8 (decode scratch: fixed address for the captured graph)."""
+        return K.Q8(self._decode_buffer("moe_hidden_q", size, cupy.int8), self._decode_buffer("moe_hidden_q2", size, cupy.int8),
+                    self._decode_buffer("moe_hidden_ds", size // 16, cupy.float32).reshape(-1, 2))
 
     @_on_stream
     def rope_store_kv(self, q, k, v, rope: RopeTable, style: str, cache: KVCache, layer: int, start) -> None:
@@ -329,18 +332,18 @@ class CupyBackend:
     @_on_stream
     def attention(self, q, cache: KVCache, layer: int, start, out, scale: float, window: int = 0) -> None:
         n, n_heads, hd = q.shape
-        q8 = self._quantize_output(out) if n == 1 else None
-        part = None
-        if q8 is None:  # the two-kernel form needs scratch for the partial results of its key-range splits
-            z, wpq = K.attention_splits(n)
-            size = n * n_heads * z * wpq * (hd + 2)
-            if n == 1:
-                if self._decode_part is None or self._decode_part.size < size:
-                    self._decode_part = cupy.empty(size, cupy.float32)
-                part = self._decode_part
-            else:
-                part = self._buffer("attn_part", size, cupy.float32)
-        K.attention(q, cache.k[layer], cache.v[layer], start, out, scale, window, part, q8)
+        z, wpq = K.attention_splits(n)
+        size = n * n_heads * z * wpq * (hd + 2)  # partial results of the key-range splits
+        part = self._decode_buffer("attn_part", size, cupy.float32) if n == 1 else self._buffer("attn_part", size, cupy.float32)
+        K.attention(q, cache.k[layer], cache.v[layer], start, out, scale, window, part, self._quantize_output(out) if n == 1 else None)
+
+    def _decode_buffer(self, key: str, size: int, dtype: Any) -> Any:
+        """Scratch a decode step uses: allocated on the step's first (uncaptured) run and never regrown after it,
+        since a captured graph keeps its address; separate from the prompt path's scratch, which grows."""
+        buf = self._decode_scratch.get(key)
+        if buf is None or buf.size < size:
+            buf = self._decode_scratch[key] = cupy.empty(size, dtype)
+        return buf[:size]
 
     @_on_stream
     def sample(self, logits: Any, params: SamplingParams, recent_tokens: np.ndarray, uniform: float) -> int:

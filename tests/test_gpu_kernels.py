@@ -163,7 +163,7 @@ def test_glu_elementwise():
     assert rel(out.get(), g / (1 + np.exp(-g.astype(np.float64))) * u) < 1e-5
 
 
-@pytest.mark.parametrize("d", [64, 576, 4096])
+@pytest.mark.parametrize("d", [64, 576, 640, 4096, 8192, 16384])
 def test_rms_norm_and_add_rms_norm(d):
     rng = np.random.default_rng()
     n = 9
@@ -223,29 +223,33 @@ def test_rope_store_kv(neox):
     assert rel(kc.get(), kc_ref) < 1e-3 and rel(vc.get(), vc_ref) < 1e-3
 
 
-@pytest.mark.parametrize("n,start,window,hd", [(1, 0, 0, 64), (1, 300, 0, 128), (1, 300, 100, 64), (37, 50, 0, 64),
-                                                (130, 0, 0, 128), (20, 90, 33, 64), (1, 200, 0, 256), (9, 3, 0, 256)])
-def test_attention(n, start, window, hd):
-    rng = np.random.default_rng()
-    heads, kv, max_tokens = 8, 2, 512
+def attention_case(rng, n, start, window, hd, heads, kv, max_tokens=512):
     kc = rng.standard_normal((kv, max_tokens, hd)).astype(np.float16)
     vc = rng.standard_normal((kv, max_tokens, hd)).astype(np.float16)
     qkv = rng.standard_normal((n, heads * hd + 16)).astype(np.float32)
     q = qkv[:, : heads * hd].reshape(n, heads, hd)
+    expect = np.empty((n, heads * hd), np.float32)
+    scale = 1 / np.sqrt(hd)
+    reference.attention(q, kc.astype(np.float32), vc.astype(np.float32), start, expect, scale, window)
+    qd = cp.asarray(qkv)[:, : heads * hd].reshape(n, heads, hd)
+    return (qd, cp.asarray(kc), cp.asarray(vc), cp.asarray([start], cp.int32)), scale, expect
+
+
+@pytest.mark.parametrize("n,start,window,hd", [(1, 0, 0, 64), (1, 300, 0, 128), (1, 300, 100, 64), (37, 50, 0, 64),
+                                                (130, 0, 0, 128), (20, 90, 33, 64), (1, 200, 0, 256), (9, 3, 0, 256)])
+def test_attention(n, start, window, hd):
+    rng = np.random.default_rng()
+    heads, kv = 8, 2
+    tensors, scale, expect = attention_case(rng, n, start, window, hd, heads, kv)
     z, wpq = K.attention_splits(n)
     part = cp.empty(n * heads * z * wpq * (hd + 2), cp.float32)
     out = poisoned((n, heads * hd))
-    qd = cp.asarray(qkv)[:, : heads * hd].reshape(n, heads, hd)
-    scale = 1 / np.sqrt(hd)
-    args = (qd, cp.asarray(kc), cp.asarray(vc), cp.asarray([start], cp.int32), out, scale, window, part)
-    K.attention(*args)
-    expect = np.empty((n, heads * hd), np.float32)
-    reference.attention(q, kc.astype(np.float32), vc.astype(np.float32), start, expect, scale, window)
+    K.attention(*tensors, out, scale, window, part)
     assert rel(out.get(), expect) < 1e-5
-    if n == 1:  # the one-kernel decode variant, which also quantizes its output
+    if n == 1:  # decode: the combine step also quantizes the output
         q8 = K.Q8.empty(heads * hd)
         out[...] = np.nan
-        K.attention(*args, q8)
+        K.attention(*tensors, out, scale, window, part, q8)
         assert rel(out.get(), expect) < 1e-5
         assert_q8_of(q8, out.get())
 

@@ -1,10 +1,10 @@
 // Causal grouped-query attention over the fp16 KV cache.
 //
-// Decode (one query): attention_decode, one block per head whose 32 warps split the key range, combined in
-// shared memory, the head's output quantized for the output projection; one launch per layer.
-// Prompt chunks: attention_partial, each warp one (query, head, split) item (four consecutive queries of a head
-// per block share their K/V rows through L1), then attention_combine merges the splits and normalizes (it also
-// serves decode when no quantized output is wanted).
+// attention_partial: each warp one (query, head, split) item; a decode query spreads its keys over 32 warps of 8
+// blocks, a prompt chunk's queries take one warp each (four consecutive queries of a head per block share their
+// K/V rows through L1). attention_combine then merges the splits, normalizes, and for decode also quantizes the
+// output for the output projection. In a decode graph the combine is launched programmatically (cuda.py), so
+// its launch overlaps the partial kernel.
 //
 // Key ranges come from start[0] in device memory, so one captured graph serves every position; splits past
 // the range are empty and leave max = -inf, sum = 0.
@@ -111,70 +111,14 @@ __device__ __forceinline__ void attention_partial_impl(const float* __restrict__
 #define ATTENTION_PARTIAL(HD)                                                                                  \
     extern "C" __global__ void attention_partial_##HD(                                                        \
         const float* q, long q_stride, const u16* k_cache, const u16* v_cache, int max_tokens, int n_heads,  \
-        int n_kv, const int* start, int n, int window, float scale_log2, int wpq, float* part) {              \
+        int n_kv, const int* start, int n, int window, float scale_log2, int wpq, float* part) {             \
+        grid_dependency_sync();                                                                              \
         attention_partial_impl<HD>(q, q_stride, k_cache, v_cache, max_tokens, n_heads, n_kv, start, n, window, \
                                    scale_log2, wpq, part);                                                     \
     }
 ATTENTION_PARTIAL(64)
 ATTENTION_PARTIAL(128)
 ATTENTION_PARTIAL(256)
-
-// Decode (one query): one block per head, its 32 warps split the key range, then combine through shared memory
-// and quantize the head's output for the output projection; one launch instead of partial + combine.
-template <int HD>
-__device__ __forceinline__ void attention_decode_impl(const float* __restrict__ q, const u16* __restrict__ k_cache,
-                                                      const u16* __restrict__ v_cache, int max_tokens, int n_heads,
-                                                      int n_kv, const int* __restrict__ start, int window,
-                                                      float scale_log2, float* __restrict__ out, signed char* xq,
-                                                      signed char* xq2, float2* xds) {
-    __shared__ float qs[HD];
-    __shared__ float accs[32][HD + 1];
-    __shared__ float ms[32], ls[32];
-    const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, head = blockIdx.x;
-    const int kvh = head / (n_heads / n_kv);
-    const int pos = start[0];
-    const int first = window > 0 ? max(0, pos - window + 1) : 0;
-    const int per = (pos + 1 - first + 31) / 32;
-    const int lo = first + warp * per, hi = min(lo + per, pos + 1);
-    for (int i = threadIdx.x; i < HD; i += blockDim.x) qs[i] = q[(long)head * HD + i] * scale_log2;
-    __syncthreads();
-    float acc[HD / 32], m, l;
-    warp_attend<HD>(qs, k_cache + (long)kvh * max_tokens * HD, v_cache + (long)kvh * max_tokens * HD, lo, hi, acc,
-                    m, l);
-#pragma unroll
-    for (int i = 0; i < HD / 32; ++i) accs[warp][lane + 32 * i] = acc[i];
-    if (lane == 0) {
-        ms[warp] = m;
-        ls[warp] = l;
-    }
-    __syncthreads();
-    if (threadIdx.x >= HD) return;
-    const int d = threadIdx.x;
-    float mx = NEG_INF;
-    for (int s = 0; s < 32; ++s) mx = fmaxf(mx, ms[s]);
-    float num = 0.0f, den = 0.0f;
-#pragma unroll 8
-    for (int s = 0; s < 32; ++s) {
-        const float f = exp2f(ms[s] - mx);  // 0 for an empty split
-        den += ls[s] * f;
-        num += accs[s][d] * f;
-    }
-    const float o = num / den;
-    out[(long)head * HD + d] = o;
-    quantize_group(o, (long)head * HD / 32 + d / 32, xq, xq2, xds);
-}
-
-#define ATTENTION_DECODE(HD)                                                                                   \
-    extern "C" __global__ void __launch_bounds__(1024) attention_decode_##HD(                                 \
-        const float* q, const u16* k_cache, const u16* v_cache, int max_tokens, int n_heads, int n_kv,        \
-        const int* start, int window, float scale_log2, float* out, signed char* xq, signed char* xq2,        \
-        float2* xds) {                                                                                         \
-        attention_decode_impl<HD>(q, k_cache, v_cache, max_tokens, n_heads, n_kv, start, window, scale_log2,  \
-                                  out, xq, xq2, xds);                                                          \
-    }
-ATTENTION_DECODE(64)
-ATTENTION_DECODE(128)
-ATTENTION_DECODE(256)
 
 #define MAX_SPLITS 64
 
@@ -184,6 +128,7 @@ ATTENTION_DECODE(256)
 extern "C" __global__ void attention_combine(const float* __restrict__ part, int n_heads, int hd, int n_splits,
                                              float* __restrict__ out, long out_stride, signed char* xq,
                                              signed char* xq2, float2* xds) {
+    grid_dependency_sync();
     __shared__ float sm[MAX_SPLITS], sl[MAX_SPLITS];
     const int qi = blockIdx.x, head = blockIdx.y, d = threadIdx.x;
     const float* p = part + ((long)qi * n_heads + head) * n_splits * (hd + 2);

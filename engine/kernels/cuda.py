@@ -3,10 +3,16 @@
 CuPy keeps the compiled binaries in its on-disk kernel cache (keyed by the full source), so a second process
 loads them without compiling. Every launcher works on CuPy arrays and launches on the current CuPy stream; none
 allocates memory, so a sequence of them can be captured into a CUDA graph. Importing this module needs CuPy.
+
+Inside `programmatic_launches()` (a decode graph being captured, on a Hopper or newer GPU) kernels launch with
+programmatic stream serialization through the driver's cuLaunchKernelEx: in the graph each kernel is scheduled
+while its predecessor runs and waits in `grid_dependency_sync` (quant_blocks.cuh) instead of at launch.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import functools
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,11 +28,12 @@ from engine.kernels.gpu_layout import FLOAT_TYPES, KERNEL_SUFFIX, PLANE_ORDER, P
 _DIR = Path(__file__).parent
 _HEADER = "quant_blocks.cuh"
 WARPS = 4  # warps per block of the matrix-vector and attention kernels
-ATTN_Z_SPLITS = 8  # decode attention: grid.z blocks per head, times 4 warps = 32 splits of the KV range
+ATTN_Z_SPLITS = 8  # decode attention: grid.z blocks per head, times 4 warps = 32 splits of the key range
 HEAD_DIMS = (64, 128, 256)  # head sizes the attention kernels are built for
 ACT_SILU, ACT_GELU_TANH = 0, 1
 
 i32, i64, f32 = np.int32, np.int64, np.float32
+LOG2_E = 1.4426950408889634  # attention works in base 2
 
 
 @functools.cache
@@ -38,6 +45,68 @@ def module(name: str) -> cupy.RawModule:
 @functools.cache
 def kernel(module_name: str, name: str) -> Any:
     return module(module_name).get_function(name)
+
+
+# ---- launching ---------------------------------------------------------------------------------------------
+
+class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: an id, then a 64-byte value union at offset 8
+    _fields_ = [("id", ctypes.c_uint), ("pad", ctypes.c_uint), ("value", ctypes.c_int * 16)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_mem", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)), ("n_attrs", ctypes.c_uint)]
+
+
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID
+_C_TYPES = {np.dtype(np.int32): ctypes.c_int32, np.dtype(np.int64): ctypes.c_int64,
+            np.dtype(np.float32): ctypes.c_float, np.dtype(np.uintp): ctypes.c_uint64}
+_programmatic = [False]
+
+
+@functools.cache
+def _launch_ex() -> Any:
+    """The driver's cuLaunchKernelEx when this GPU supports programmatic dependent launch (sm_90+), else None."""
+    if int(cupy.cuda.Device().compute_capability) < 90:
+        return None
+    fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+    fn.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+@contextlib.contextmanager
+def programmatic_launches():
+    """Kernels launched within may overlap the tail of the kernel before them (see the module docstring)."""
+    _programmatic[0] = _launch_ex() is not None
+    try:
+        yield
+    finally:
+        _programmatic[0] = False
+
+
+def _c_value(arg: Any) -> Any:
+    if isinstance(arg, cupy.ndarray):
+        return ctypes.c_void_p(arg.data.ptr)
+    return _C_TYPES[arg.dtype](arg)
+
+
+def launch(module_name: str, name: str, grid: tuple[int, ...], block: tuple[int, ...], args: tuple[Any, ...],
+           shared_mem: int = 0) -> None:
+    """Launch one kernel on the current stream; args are CuPy arrays and NumPy scalars of the kernel's types."""
+    fn = kernel(module_name, name)
+    if not _programmatic[0]:
+        fn(grid, block, args, shared_mem=shared_mem)
+        return
+    grid, block = (tuple(grid) + (1, 1))[:3], (tuple(block) + (1, 1))[:3]
+    attr = _LaunchAttribute(_PROGRAMMATIC_STREAM_SERIALIZATION)
+    attr.value[0] = 1
+    config = _LaunchConfig(grid, block, shared_mem, cupy.cuda.get_current_stream().ptr, ctypes.pointer(attr), 1)
+    values = [_c_value(a) for a in args]
+    params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
+    status = _launch_ex()(ctypes.byref(config), fn.kernel.ptr, params, None)
+    if status != 0:
+        raise RuntimeError(f"cuLaunchKernelEx of {name} failed with CUDA error {status}")
 
 
 @dataclass
@@ -110,7 +179,7 @@ def q8_args(q8: Q8 | None) -> tuple[Any, ...]:
 def quantize_q8(x: Any, q8: Q8) -> None:
     """x (n, k) float32 contiguous -> q8 holding its n * k / 32 groups."""
     groups = x.size // 32
-    kernel("matvec", "quantize_q8")((_blocks(groups, 8),), (256,), (x, *q8.args(), i32(groups)))
+    launch("matvec", "quantize_q8", (_blocks(groups, 8),), (256,), (x, *q8.args(), i32(groups)))
 
 
 def matvec_shape(m: int, k: int, qtype: T) -> tuple[int, int]:
@@ -130,10 +199,10 @@ def matvec(w: GpuWeight, x: Any, q8: Q8 | None, out: Any, shape: tuple[int, int]
     m, k = w.shape
     if w.quantized:
         wpr, rows = shape or matvec_shape(m, k, w.qtype)
-        fn = kernel("matvec", f"matvec_{w.suffix}_w{wpr}" + ("_r2" if rows == 2 else ""))
-        fn((_blocks(m * wpr, WARPS * rows),), (32 * WARPS,), (*w.args(), *q8.args(), out, i32(m), i32(k)))
+        name = f"matvec_{w.suffix}_w{wpr}" + ("_r2" if rows == 2 else "")
+        launch("matvec", name, (_blocks(m * wpr, WARPS * rows),), (32 * WARPS,), (*w.args(), *q8.args(), out, i32(m), i32(k)))
     else:
-        kernel("matvec", f"matvec_{w.suffix}")((_blocks(m, WARPS),), (32 * WARPS,), (w.data, x, out, i32(m), i32(k)))
+        launch("matvec", f"matvec_{w.suffix}", (_blocks(m, WARPS),), (32 * WARPS,), (w.data, x, out, i32(m), i32(k)))
 
 
 def matvec_glu(gate: GpuWeight, up: GpuWeight, x: Any, q8: Q8 | None, out: Any, act: int, q8_out: Q8 | None = None) -> None:
@@ -141,12 +210,10 @@ def matvec_glu(gate: GpuWeight, up: GpuWeight, x: Any, q8: Q8 | None, out: Any, 
     f a multiple of 32) the result is also quantized there for the next product."""
     m, k = gate.shape
     if gate.quantized and q8_out is not None:
-        fn = kernel("matvec", f"matvec_glu_q8_{gate.suffix}")
-        fn((m // 32,), (512,), (*gate.args(), *up.args(), *q8.args(), out, i32(k), i32(act), *q8_out.args()))
+        launch("matvec", f"matvec_glu_q8_{gate.suffix}", (m // 32,), (512,), (*gate.args(), *up.args(), *q8.args(), out, i32(k), i32(act), *q8_out.args()))
         return
-    fn = kernel("matvec", f"matvec_glu_{gate.suffix}")
     src = q8.args() if gate.quantized else (x,)
-    fn((_blocks(m, WARPS),), (32 * WARPS,), (*gate.args(), *up.args(), *src, out, i32(m), i32(k), i32(act)))
+    launch("matvec", f"matvec_glu_{gate.suffix}", (_blocks(m, WARPS),), (32 * WARPS,), (*gate.args(), *up.args(), *src, out, i32(m), i32(k), i32(act)))
 
 
 def moe_gate_up(gate: GpuWeight, up: GpuWeight, x: Any, q8: Q8 | None, ids: Any, hidden: Any, act: int) -> None:
@@ -154,9 +221,9 @@ def moe_gate_up(gate: GpuWeight, up: GpuWeight, x: Any, q8: Q8 | None, ids: Any,
     ids (n, top_k); gate, up: stacked (n_experts, f, k) weights of one type; quantized ones read q8 (x's)."""
     _, f, k = gate.shape
     slots = ids.size
-    fn = kernel("matvec", f"moe_gate_up_{gate.suffix}")
     src = q8.args() if gate.quantized else (x,)
-    fn((_blocks(f, WARPS), slots), (32 * WARPS,), (*gate.args(), *up.args(), *src, ids, i32(ids.shape[1]), hidden, i32(f), i32(k), i32(act)))
+    launch("matvec", f"moe_gate_up_{gate.suffix}", (_blocks(f, WARPS), slots), (32 * WARPS,),
+           (*gate.args(), *up.args(), *src, ids, i32(ids.shape[1]), hidden, i32(f), i32(k), i32(act)))
 
 
 def moe_down(down: GpuWeight, hidden: Any, q8: Q8 | None, ids: Any, weights: Any, out: Any) -> None:
@@ -164,20 +231,17 @@ def moe_down(down: GpuWeight, hidden: Any, q8: Q8 | None, ids: Any, weights: Any
     (n_experts, d, f); quantized ones read q8 (hidden's)."""
     _, d, f = down.shape
     n, top_k = ids.shape
-    fn = kernel("matvec", f"moe_down_{down.suffix}")
     src = q8.args() if down.quantized else (hidden,)
-    fn((_blocks(d, WARPS), n), (32 * WARPS,), (*down.args(), *src, ids, weights, i32(top_k), out, i32(d), i32(f)))
+    launch("matvec", f"moe_down_{down.suffix}", (_blocks(d, WARPS), n), (32 * WARPS,), (*down.args(), *src, ids, weights, i32(top_k), out, i32(d), i32(f)))
 
 
 def moe_route(logits: Any, top_k: int, normalize: bool, weights_out: Any, ids_out: Any) -> None:
     """Softmax of each row of logits (n, n_experts), its top_k experts into ids_out/weights_out (n, top_k); one
     warp a token."""
     n, n_experts = logits.shape
-    kernel("sampling", "moe_route")(
-        (_blocks(n, WARPS),), (32 * WARPS,),
-        (logits, i32(n), i32(n_experts), i32(top_k), i32(1 if normalize else 0), weights_out, ids_out),
-        shared_mem=4 * WARPS * n_experts,
-    )
+    launch("sampling", "moe_route", (_blocks(n, WARPS),), (32 * WARPS,),
+           (logits, i32(n), i32(n_experts), i32(top_k), i32(1 if normalize else 0), weights_out, ids_out),
+           shared_mem=4 * WARPS * n_experts)
 
 
 # ---- dequantize, prompt-path products, embedding -------------------------------------------------------
@@ -186,13 +250,13 @@ def dequant(w: GpuWeight, out: Any, rows: Any = None, scale: float = 1.0, row_lo
     """out (n, k) fp16 or float32 = rows of w (rows[i], or row_lo + i) times scale."""
     n, k = out.shape
     half = out.dtype == cupy.float16
-    fn = kernel("dequant", f"dequant_{w.suffix}_{'f16' if half else 'f32'}")
     per_thread = 32 if w.quantized else 8
     args = w.args()
     if row_lo:
         args = _row_slice(w, row_lo, row_lo + n)
     rows_arg = rows if rows is not None else np.uintp(0)
-    fn((_blocks(n * k // per_thread, 256),), (256,), (*args, rows_arg, out, i32(n), i32(k), f32(scale)))
+    name = f"dequant_{w.suffix}_{'f16' if half else 'f32'}"
+    launch("dequant", name, (_blocks(n * k // per_thread, 256),), (256,), (*args, rows_arg, out, i32(n), i32(k), f32(scale)))
 
 
 def _row_slice(w: GpuWeight, lo: int, hi: int) -> tuple[Any, ...]:
@@ -230,11 +294,11 @@ def gemm_f16(a: Any, w: Any, out: Any) -> None:
 
 
 def to_f16(x: Any, out: Any) -> None:
-    kernel("dequant", "f32_to_f16")((_blocks(x.size, 256),), (256,), (x, out, i64(x.size)))
+    launch("dequant", "f32_to_f16", (_blocks(x.size, 256),), (256,), (x, out, i64(x.size)))
 
 
 def glu(gate: Any, up: Any, out: Any, act: int) -> None:
-    kernel("dequant", "glu")((_blocks(out.size, 256),), (256,), (gate, up, out, i64(out.size), i32(act)))
+    launch("dequant", "glu", (_blocks(out.size, 256),), (256,), (gate, up, out, i64(out.size), i32(act)))
 
 
 # ---- norms, rotary, attention --------------------------------------------------------------------------
@@ -251,14 +315,18 @@ def rms_norm(x: Any, w: Any, eps: float, out: Any, q8: Q8 | None = None) -> None
     rows = x.size // d
     x_stride = x.strides[0] // 4
     o_stride = out.strides[0] // 4
-    kernel("norms", "rms_norm")(
-        (rows,), (_norm_threads(d),), (x, w, out, i32(d), f32(eps), i32(inner), i64(x_stride), i64(o_stride), *q8_args(q8))
-    )
+    launch("norms", "rms_norm", (rows,), (_norm_threads(d),),
+           (x, w, out, i32(d), f32(eps), i32(inner), i64(x_stride), i64(o_stride), *q8_args(q8)))
+
+
+ADD_NORM_MAX = 4 * 4 * 1024  # widest row add_rms_norm keeps in registers (NORM_CHUNKS in norms.cu)
 
 
 def add_rms_norm(x: Any, residual: Any, w: Any, eps: float, out: Any, q8: Q8 | None = None) -> None:
+    """residual += x; out = rms_norm(residual) * w over rows of d (a multiple of 32, at most ADD_NORM_MAX)."""
     n, d = x.shape
-    kernel("norms", "add_rms_norm")((n,), (_norm_threads(d),), (x, residual, w, out, i32(d), f32(eps), *q8_args(q8)))
+    threads = min(1024, 32 * _blocks(d // 4, 32))
+    launch("norms", "add_rms_norm", (n,), (threads,), (x, residual, w, out, i32(d), f32(eps), *q8_args(q8)))
 
 
 def rope_store_kv(q, k, v, cos, sin, neox: bool, k_cache, v_cache, start) -> None:
@@ -266,59 +334,47 @@ def rope_store_kv(q, k, v, cos, sin, neox: bool, k_cache, v_cache, start) -> Non
     n, n_heads, hd = q.shape
     n_kv = k.shape[1]
     rot = 2 * cos.shape[1]
-    kernel("rope", "rope_store_kv")(
-        (n, n_heads + n_kv), (max(32, min(128, hd // 2)),),
-        (q, k, v, i64(q.strides[0] // 4), i64(k.strides[0] // 4), i64(v.strides[0] // 4), i32(n_heads), i32(n_kv),
-         i32(hd), i32(rot), cos, sin, i32(1 if neox else 0), k_cache, v_cache, i32(k_cache.shape[1]), start),
-    )
+    launch("rope", "rope_store_kv", (n, n_heads + n_kv), (max(32, min(128, hd // 2)),),
+           (q, k, v, i64(q.strides[0] // 4), i64(k.strides[0] // 4), i64(v.strides[0] // 4), i32(n_heads), i32(n_kv),
+            i32(hd), i32(rot), cos, sin, i32(1 if neox else 0), k_cache, v_cache, i32(k_cache.shape[1]), start))
 
 
 def attention_splits(n: int) -> tuple[int, int]:
-    """(grid z, warps per query): decode spreads one query's keys over 32 warps, chunks use one per query."""
+    """(grid z, warps per query) of the two-kernel form: one query spreads its keys over 32 warps, a chunk's
+    queries use one each."""
     return (ATTN_Z_SPLITS, 4) if n == 1 else (1, 1)
 
 
 def attention(q, k_cache, v_cache, start, out, scale: float, window: int, part, q8: Q8 | None = None) -> None:
-    """q (n, H, hd) strided view; out (n, H*hd); part: float32 scratch of n*H*splits*(hd+2). With q8 (one
-    query) out is also quantized there for the output projection, by the one-kernel decode variant."""
+    """q (n, H, hd) strided view; out (n, H*hd); part: float32 scratch of n*H*splits*(hd+2) (attention_splits).
+    With q8 (one query) out is also quantized there for the output projection."""
     n, n_heads, hd = q.shape
     n_kv, max_tokens = k_cache.shape[0], k_cache.shape[1]
-    if n == 1 and q8 is not None:
-        kernel("attention", f"attention_decode_{hd}")(
-            (n_heads,), (1024,),
-            (q, k_cache, v_cache, i32(max_tokens), i32(n_heads), i32(n_kv), start, i32(window),
-             f32(scale * 1.4426950408889634), out, *q8.args()),
-        )
-        return
     z, wpq = attention_splits(n)
-    qpb = 4 // wpq
-    kernel("attention", f"attention_partial_{hd}")(
-        (n_heads, _blocks(n, qpb), z), (128,),
-        (q, i64(q.strides[0] // 4), k_cache, v_cache, i32(max_tokens), i32(n_heads), i32(n_kv), start,
-         i32(n), i32(window), f32(scale * 1.4426950408889634), i32(wpq), part),
-    )
-    kernel("attention", "attention_combine")(
-        (n, n_heads), (32 * _blocks(hd, 32),), (part, i32(n_heads), i32(hd), i32(z * wpq), out, i64(out.strides[0] // 4), *q8_args(q8))
-    )
+    launch("attention", f"attention_partial_{hd}", (n_heads, _blocks(n, 4 // wpq), z), (128,),
+           (q, i64(q.strides[0] // 4), k_cache, v_cache, i32(max_tokens), i32(n_heads), i32(n_kv), start,
+            i32(n), i32(window), f32(scale * LOG2_E), i32(wpq), part))
+    launch("attention", "attention_combine", (n, n_heads), (32 * _blocks(hd, 32),),
+           (part, i32(n_heads), i32(hd), i32(z * wpq), out, i64(out.strides[0] // 4), *q8_args(q8)))
 
 
 # ---- sampling ------------------------------------------------------------------------------------------
 
 def repeat_penalty(logits, out, ids, n_ids: int, penalty: float) -> None:
     vocab = logits.size
-    kernel("sampling", "repeat_penalty")((_blocks(vocab, 256),), (256,), (logits, out, ids, i32(n_ids), f32(penalty), i32(vocab)))
+    launch("sampling", "repeat_penalty", (_blocks(vocab, 256),), (256,), (logits, out, ids, i32(n_ids), f32(penalty), i32(vocab)))
 
 
 def argmax(v, out_id) -> None:
-    kernel("sampling", "argmax")((1,), (1024,), (v, i32(v.size), out_id))
+    launch("sampling", "argmax", (1,), (1024,), (v, i32(v.size), out_id))
 
 
 def topk(v, k: int, out_v, out_id) -> None:
     """The k best of v (consumed) into out_v/out_id, best first, ties to the lower id."""
-    kernel("sampling", "topk")((1,), (1024,), (v, i32(v.size), i32(k), out_v, out_id))
+    launch("sampling", "topk", (1,), (1024,), (v, i32(v.size), i32(k), out_v, out_id))
 
 
 def sample_sorted(vals, ids, n: int, temperature: float, top_p: float, min_p: float, u: float, out_id) -> None:
-    kernel("sampling", "sample_sorted")(
+    launch("sampling", "sample_sorted",
         (1,), (1024,), (vals, ids, i32(n), f32(1.0 / temperature), f32(top_p), f32(min_p), f32(u), out_id)
     )

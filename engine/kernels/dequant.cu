@@ -46,11 +46,13 @@ __device__ __forceinline__ void dequant_q(const Planes& p, const int* __restrict
 #define DEQUANT_Q(name, B)                                                                                     \
     extern "C" __global__ void dequant_##name##_f16(const u8* q, const u8* h, const u8* s, const u8* d,      \
                                                     const int* rows, u16* out, int n_rows, int k, float scale) { \
+        grid_dependency_sync();                                                                                  \
         dequant_q<B, true>(Planes{q, h, s, d}, rows, out, n_rows, k, scale);                                    \
     }                                                                                                          \
     extern "C" __global__ void dequant_##name##_f32(const u8* q, const u8* h, const u8* s, const u8* d,      \
                                                     const int* rows, float* out, int n_rows, int k,            \
                                                     float scale) {                                             \
+        grid_dependency_sync();                                                                                \
         dequant_q<B, false>(Planes{q, h, s, d}, rows, out, n_rows, k, scale);                                   \
     }
 FOR_EACH_QUANT(DEQUANT_Q)
@@ -80,17 +82,20 @@ __device__ __forceinline__ void dequant_f(const typename W::T* w, const int* __r
 
 #define DEQUANT_F(name, W)                                                                                     \
     extern "C" __global__ void dequant_##name##_f16(const W::T* w, const int* rows, u16* out, int n_rows,     \
-                                                    int k, float scale) {                                      \
+                                                    int k, float scale) {                                     \
+        grid_dependency_sync();                                                                               \
         dequant_f<W, true>(w, rows, out, n_rows, k, scale);                                                     \
     }                                                                                                          \
     extern "C" __global__ void dequant_##name##_f32(const W::T* w, const int* rows, float* out, int n_rows,   \
-                                                    int k, float scale) {                                      \
+                                                    int k, float scale) {                                     \
+        grid_dependency_sync();                                                                               \
         dequant_f<W, false>(w, rows, out, n_rows, k, scale);                                                    \
     }
 FOR_EACH_FLOAT(DEQUANT_F)
 
 // Float32 activations to fp16 (the other operand of the prompt-path product) and back.
 extern "C" __global__ void f32_to_f16(const float* __restrict__ x, u16* __restrict__ y, long n) {
+    grid_dependency_sync();
     const long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) y[i] = f2h(x[i]);
 }
@@ -98,6 +103,7 @@ extern "C" __global__ void f32_to_f16(const float* __restrict__ x, u16* __restri
 // out = act(gate) * up over n elements, for the prompt path where gate and up come from two products.
 extern "C" __global__ void glu(const float* __restrict__ gate, const float* __restrict__ up, float* out, long n,
                                int act) {
+    grid_dependency_sync();
     const long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     out[i] = activate(gate[i], act) * up[i];

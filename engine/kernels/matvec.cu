@@ -10,6 +10,7 @@
 // Activations to int8 blocks (the two-level scheme of quantize_group in quant_blocks.cuh), one warp a group.
 extern "C" __global__ void quantize_q8(const float* __restrict__ x, signed char* __restrict__ xq,
                                        signed char* __restrict__ xq2, float2* __restrict__ xds, int n_groups) {
+    grid_dependency_sync();
     const int g = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     if (g >= n_groups) return;
     quantize_group(x[(long)g * 32 + (threadIdx.x & 31)], g, xq, xq2, xds);
@@ -58,6 +59,29 @@ __device__ __forceinline__ void row_dots(const Planes* w, int row0, int m, int k
     }
 }
 
+// In a captured decode graph a kernel is scheduled while its predecessor still runs (grid_dependency_sync). The
+// weights never depend on that predecessor, so before waiting each warp asks L2 for the first bytes of its rows
+// (what its first loads will read): the wait then overlaps those reads instead of preceding them. Only the head
+// of each row: prefetching whole rows of a large matrix would evict itself from L2 before use.
+#define PREFETCH_ROW_BYTES 2048
+
+__device__ __forceinline__ void prefetch_l2(const u8* base, long lo, long hi) {
+    const unsigned long a = (reinterpret_cast<unsigned long>(base + lo) & ~127UL) + 128UL * (threadIdx.x & 31);
+    if (a < reinterpret_cast<unsigned long>(base + min(hi, lo + PREFETCH_ROW_BYTES)))
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(a));
+}
+
+template <class B>
+__device__ __forceinline__ void prefetch_rows(const Planes& p, long row0, int rows, int k) {
+    const long bpr = k / B::QK;
+    for (long b = row0 * bpr; b < (row0 + rows) * bpr; b += bpr) {
+        prefetch_l2(p.q, b * B::QB, (b + bpr) * B::QB);
+        if (B::HB) prefetch_l2(p.h, b * B::HB, (b + bpr) * B::HB);
+        if (B::SB) prefetch_l2(p.s, b * B::SB, (b + bpr) * B::SB);
+        if (B::DB) prefetch_l2(p.d, b * B::DB, (b + bpr) * B::DB);
+    }
+}
+
 // A block of 4 warps covers 4 / WPR row sets of R rows; the WPR warps of a row set split its groups (more loads
 // in flight for long rows) and add up through shared memory. NW = 2 is the fused gate/up pair:
 // out = act(gate.x) * (up.x).
@@ -67,6 +91,10 @@ __device__ __forceinline__ void matvec_q(const Planes* w, const signed char* xq,
     __shared__ float part[NW * R][4];
     const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
     const int row0 = (blockIdx.x * (4 / WPR) + warp / WPR) * R;
+    if (row0 < m && warp % WPR == 0)
+#pragma unroll
+        for (int j = 0; j < NW; ++j) prefetch_rows<B>(w[j], row0, min(R, m - row0), k);
+    grid_dependency_sync();
     float acc[NW * R];
 #pragma unroll
     for (int j = 0; j < NW * R; ++j) acc[j] = 0.0f;
@@ -99,6 +127,9 @@ __device__ __forceinline__ void matvec_glu_q8(const Planes* w, const signed char
                                               signed char* oq, signed char* oq2, float2* ods) {
     __shared__ float vals[32];
     const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+    prefetch_rows<B>(w[0], blockIdx.x * 32 + 2 * warp, 2, k);
+    prefetch_rows<B>(w[1], blockIdx.x * 32 + 2 * warp, 2, k);
+    grid_dependency_sync();
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     row_dots<B, 2, 2>(w, blockIdx.x * 32 + 2 * warp, blockIdx.x * 32 + 32, k, lane, 32, xq, xq2, xds, acc);
 #pragma unroll
@@ -148,7 +179,7 @@ __device__ __forceinline__ void matvec_glu_q8(const Planes* w, const signed char
     extern "C" __global__ void matvec_glu_##name(const u8* q, const u8* h, const u8* s, const u8* d,         \
                                                  const u8* q2, const u8* h2, const u8* s2, const u8* d2,      \
                                                  const signed char* xq, const signed char* xq2,              \
-                                                 const float2* xds, float* out, int m, int k, int act) {      \
+                                                 const float2* xds, float* out, int m, int k, int act) {     \
         const Planes w[2] = {{q, h, s, d}, {q2, h2, s2, d2}};                                                  \
         matvec_q<B, 2, 1, 1>(w, xq, xq2, xds, out, m, k, act);                                                    \
     }                                                                                                          \
@@ -193,12 +224,14 @@ __device__ __forceinline__ void matvec_f(const typename W::T* const* w, const fl
 }
 
 #define MATVEC_F(name, W)                                                                                      \
-    extern "C" __global__ void matvec_##name(const W::T* w, const float* x, float* out, int m, int k) {       \
+    extern "C" __global__ void matvec_##name(const W::T* w, const float* x, float* out, int m, int k) {        \
+        grid_dependency_sync();                                                                                \
         const W::T* ws[1] = {w};                                                                               \
         matvec_f<W, 1>(ws, x, out, m, k, 0);                                                                   \
     }                                                                                                          \
     extern "C" __global__ void matvec_glu_##name(const W::T* w, const W::T* w2, const float* x, float* out,  \
-                                                 int m, int k, int act) {                                      \
+                                                 int m, int k, int act) {                                    \
+        grid_dependency_sync();                                                                              \
         const W::T* ws[2] = {w, w2};                                                                           \
         matvec_f<W, 2>(ws, x, out, m, k, act);                                                                 \
     }
@@ -285,6 +318,7 @@ __device__ __forceinline__ void moe_down(const D& down, const int* __restrict__ 
                                                   const signed char* xq, const signed char* xq2,              \
                                                   const float2* xds, const int* ids, int top_k, float* hidden, \
                                                   int f, int k, int act) {                                     \
+        grid_dependency_sync();                                                                                \
         const QDot<B> gate{{q, h, s, d}, xq, xq2, xds, k}, up{{q2, h2, s2, d2}, xq, xq2, xds, k};              \
         moe_gate_up(gate, up, ids, top_k, hidden, f, act);                                                     \
     }                                                                                                          \
@@ -292,6 +326,7 @@ __device__ __forceinline__ void moe_down(const D& down, const int* __restrict__ 
                                                const signed char* xq, const signed char* xq2, const float2* xds, \
                                                const int* ids, const float* weights, int top_k, float* out,    \
                                                int dim, int f) {                                               \
+        grid_dependency_sync();                                                                                \
         const QDot<B> down{{q, h, s, d}, xq, xq2, xds, f};                                                     \
         moe_down(down, ids, weights, top_k, out, dim);                                                         \
     }
@@ -299,12 +334,14 @@ FOR_EACH_QUANT(MOE_Q)
 
 #define MOE_F(name, W)                                                                                         \
     extern "C" __global__ void moe_gate_up_##name(const W::T* w, const W::T* w2, const float* x, const int* ids, \
-                                                  int top_k, float* hidden, int f, int k, int act) {           \
+                                                  int top_k, float* hidden, int f, int k, int act) {             \
+        grid_dependency_sync();                                                                                  \
         const FDot<W> gate{w, x, k}, up{w2, x, k};                                                             \
         moe_gate_up(gate, up, ids, top_k, hidden, f, act);                                                     \
     }                                                                                                          \
     extern "C" __global__ void moe_down_##name(const W::T* w, const float* hidden, const int* ids,             \
                                                const float* weights, int top_k, float* out, int dim, int f) {  \
+        grid_dependency_sync();                                                                                \
         const FDot<W> down{w, hidden, f};                                                                      \
         moe_down(down, ids, weights, top_k, out, dim);                                                         \
     }

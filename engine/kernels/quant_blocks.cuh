@@ -22,6 +22,17 @@ struct Planes {
     const u8* d;
 };
 
+// Programmatic dependent launch (sm_90 and newer): a kernel launched with it (engine/kernels/cuda.py, inside a
+// captured decode graph) may be scheduled while the kernel before it still runs. Every kernel calls this first:
+// it waits until the previous kernel has finished and its writes are visible, then lets the next kernel be
+// scheduled, so launch latency overlaps work. For an ordinary launch or an older GPU it does nothing.
+__device__ __forceinline__ void grid_dependency_sync() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ float h2f(u16 h) {
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));

@@ -10,6 +10,7 @@ extern "C" __global__ void rope_store_kv(float* q, float* k, const float* __rest
                                          const float* __restrict__ cos_t, const float* __restrict__ sin_t,
                                          int neox, u16* __restrict__ k_cache, u16* __restrict__ v_cache,
                                          int max_tokens, const int* __restrict__ start) {
+    grid_dependency_sync();
     const int tok = blockIdx.x, head = blockIdx.y;
     const int pos = start[0] + tok;
     const bool is_q = head < n_heads;

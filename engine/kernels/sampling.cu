@@ -6,6 +6,7 @@
 // membership test sees each vocabulary entry once).
 extern "C" __global__ void repeat_penalty(const float* __restrict__ logits, float* __restrict__ out,
                                           const int* __restrict__ ids, int n_ids, float penalty, int vocab) {
+    grid_dependency_sync();
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= vocab) return;
     float v = logits[i];
@@ -53,6 +54,7 @@ __device__ __forceinline__ void local_best(const float* v, int n, float& bv, int
 
 // One block: out_id[0] = argmax (lowest id on ties).
 extern "C" __global__ void argmax(const float* __restrict__ v, int n, int* __restrict__ out_id) {
+    grid_dependency_sync();
     __shared__ float sv[32];
     __shared__ int si[32];
     float bv;
@@ -67,6 +69,7 @@ extern "C" __global__ void argmax(const float* __restrict__ v, int n, int* __res
 // that owned the winner rescans its entries each round, so a round costs one block reduction.
 extern "C" __global__ void topk(float* __restrict__ v, int n, int k, float* __restrict__ out_v,
                                 int* __restrict__ out_id) {
+    grid_dependency_sync();
     __shared__ float sv[32];
     __shared__ int si[32];
     float mv;
@@ -135,6 +138,7 @@ __device__ int first_cross(const float* vals, int n, float inv_temp, float targe
 extern "C" __global__ void sample_sorted(const float* __restrict__ vals, const int* __restrict__ ids, int n,
                                          float inv_temp, float top_p, float min_p, float u,
                                          int* __restrict__ out_id) {
+    grid_dependency_sync();
     __shared__ float sh[32];
     __shared__ int found;
     float total = 0.0f;
@@ -173,6 +177,7 @@ extern "C" __global__ void sample_sorted(const float* __restrict__ vals, const i
 // probability); an id stays in range even for NaN logits.
 extern "C" __global__ void moe_route(const float* __restrict__ logits, int n_tokens, int n_experts, int top_k,
                                      int normalize, float* __restrict__ weights_out, int* __restrict__ ids_out) {
+    grid_dependency_sync();
     extern __shared__ float shared[];
     const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
     const long token = (long)blockIdx.x * (blockDim.x / 32) + warp;
