@@ -159,6 +159,11 @@ def run(path: Path, prompt_len: int, output_len: int, device: str) -> dict:
         runs.append((seconds, timed_decode(logits)))
     prompt_s, output_s = min(r[0] for r in runs), min(r[1] for r in runs)
     step_ms = graph_step_ms(state) if backend.name == "cupy" else None
+    # The same step captured with ordinary launches (no programmatic dependent launch), for comparison.
+    plain_ms = None
+    if backend.name == "cupy":
+        forward = lambda: state.arch.forward(state.config, state.weights, state.workspace, backend, state.cache, 1)  # noqa: E731
+        plain_ms = round(_replay_us(backend, forward, 10) / 1e3, 4)
     # Per-op breakdowns exist for Llama's layer and the experts' half of a qwen3moe layer.
     breakdowns = {"llama": decode_breakdown_us, "qwen3moe": moe_breakdown_us}
     breakdown = breakdowns.get(model.info.architecture) if backend.name == "cupy" else None
@@ -182,6 +187,7 @@ def run(path: Path, prompt_len: int, output_len: int, device: str) -> dict:
         "floor_output_tokens_per_s": round(floor_tps, 1),
         "fraction_of_floor": round(output_tps / floor_tps, 3),
         "gpu_ms_per_decode_step": step_ms,
+        "gpu_ms_per_decode_step_without_pdl": plain_ms,
         "host_ms_per_token": round(output_s / output_len * 1e3 - step_ms, 3) if step_ms is not None else None,
         "decode_op_us_layer0": breakdown,
     }

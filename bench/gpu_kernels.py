@@ -1,5 +1,5 @@
 """Times the hot GPU kernels on their own (an H200 is what it was written for): the decode matrix-vector
-product per weight type and variant, and the prompt path's dequantize + cuBLAS product.
+product per weight type (plain and programmatic launches) and the prompt path's dequantize + cuBLAS product.
 
 Prints one JSON line per measurement. Decode launches are captured in a CUDA graph and replayed, rotating over
 enough weight copies that they do not fit in L2, so the time is the kernel's, not Python's or the cache's.
@@ -8,6 +8,7 @@ Usage: python bench/gpu_kernels.py [copy] [matvec] [prompt]
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -40,14 +41,17 @@ def timed_eager(launch, reps: int = 10) -> float:
     return float(np.median(times))
 
 
-def timed_graph(launch, reps: int = 20) -> float:
-    """Median seconds of one `launch()` (which may launch several kernels), replayed from a CUDA graph."""
+def timed_graph(launch, reps: int = 20, pdl: bool = False) -> float:
+    """Median seconds of one `launch()` (which may launch several kernels), replayed from a CUDA graph; with pdl
+    the graph is captured as decode graphs are (K.programmatic_launches: each kernel overlaps its predecessor's
+    tail)."""
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:
         launch()
         stream.begin_capture()
-        for _ in range(reps):
-            launch()
+        with K.programmatic_launches() if pdl else contextlib.nullcontext():
+            for _ in range(reps):
+                launch()
         graph = stream.end_capture()
         graph.launch(stream)
         stream.synchronize()
@@ -70,35 +74,34 @@ def weight_copies(qtype, m, k, rng):
 
 
 def bench_matvec(rng):
+    """The default variant (K.matvec_shape) of each decode product of the 8B and 1.2B shapes, launched plainly
+    and with programmatic dependent launch (where a kernel prefetches its weights while its predecessor runs)."""
     shapes = {"8B qkv": (6144, 4096), "8B o": (4096, 4096), "8B ffn_down": (4096, 14336),
               "8B ffn_gate+up": (14336, 4096), "1.2B qkv": (3072, 2048), "1.2B ffn_down": (2048, 8192),
-              "1.2B ffn_gate+up": (8192, 2048), "135M ffn_gate+up": (1536, 576), "8B head": (128256, 4096)}
-    for qtype in (T.Q4_0, T.Q4_K, T.Q6_K, T.Q4_1, T.Q8_0):
+              "1.2B ffn_gate+up": (8192, 2048), "8B head": (128256, 4096)}
+    for qtype in (T.Q4_0, T.Q4_K, T.Q6_K):
         for label, (m, k) in shapes.items():
             ws, nbytes = weight_copies(qtype, m, k, rng)
             x = cp.asarray(rng.standard_normal(k).astype(np.float32))
             q8, q8_out = K.Q8.empty(k), K.Q8.empty(m)
             out = cp.empty(m, cp.float32)
             K.quantize_q8(x, q8)
-            variants = ({"w1": (1, 1), "w2": (2, 1), "w4": (4, 1), "w1_r2": (1, 2), "w2_r2": (2, 2)}
-                        if "gate" not in label else {"glu": 0, "glu_q8": 0})
-            for name, r in variants.items():
-                if name.startswith("glu"):
-                    def launch(name=name):
-                        for i in range(0, len(ws) - 1, 2):
-                            K.matvec_glu(ws[i], ws[i + 1], x, q8, out, K.ACT_SILU, q8_out if name == "glu_q8" else None)
-                    per = len(ws) // 2
-                else:
-                    def launch(r=r):
-                        for w in ws:
-                            K.matvec(w, x, q8, out, r)
-                    per = len(ws)
-                t = timed_graph(launch) / per
+            if "gate" in label:
+                def launch():
+                    for i in range(0, len(ws) - 1, 2):
+                        K.matvec_glu(ws[i], ws[i + 1], x, q8, out, K.ACT_SILU, q8_out)
+                per, read = len(ws) // 2, 2 * nbytes
+            else:
+                def launch():
+                    for w in ws:
+                        K.matvec(w, x, q8, out)
+                per, read = len(ws), nbytes
+            for pdl in (False, True):
+                t = timed_graph(launch, pdl=pdl) / per
                 print(json.dumps({"kernel": "matvec", "type": qtype.name, "shape": label, "m": m, "k": k,
-                                  "variant": name, "us": round(t * 1e6, 2),
-                                  "GB/s": round(nbytes * (2 if "glu" in name else 1) / t / 1e9, 1), "default": K.matvec_shape(m, k, qtype),
-                                  "fraction_of_4.3TB/s": round(nbytes * (2 if "glu" in name else 1) / t / BANDWIDTH, 3)}),
-                      flush=True)
+                                  "variant": "glu_q8" if "gate" in label else K.matvec_shape(m, k, qtype), "pdl": pdl,
+                                  "us": round(t * 1e6, 2), "GB/s": round(read / t / 1e9, 1),
+                                  "fraction_of_4.3TB/s": round(read / t / BANDWIDTH, 3)}), flush=True)
 
 
 def bench_prompt(rng):
