@@ -349,14 +349,16 @@ class CupyBackend:
     def sample(self, logits: Any, params: SamplingParams, recent_tokens: np.ndarray, uniform: float) -> int:
         vocab = logits.size
         work = self._buffer("sample_logits", vocab, cupy.float32)
+        chosen = self._buffer("sample_id", 1, cupy.int32)
         if params.repeat_penalty != 1.0 and len(recent_tokens):
             ids = np.unique(np.asarray(recent_tokens, np.int32))
             dev_ids = self._buffer("sample_recent", ids.size, cupy.int32)
             dev_ids.set(ids, stream=self.stream)
             K.repeat_penalty(logits, work, dev_ids, ids.size, params.repeat_penalty)
+        elif params.temperature <= 0:  # argmax only reads: no copy
+            work = logits
         else:
-            cupy.copyto(work, logits)
-        chosen = self._buffer("sample_id", 1, cupy.int32)
+            cupy.copyto(work, logits)  # top-k consumes its input
         if params.temperature <= 0:
             K.argmax(work, chosen)
         else:

@@ -63,11 +63,10 @@ class ModelState:
 
 def run_chunk(state: ModelState, tokens: list[int], start: int, logits_out=None):
     """Forward tokens at positions start.. (at most workspace.max_chunk of them); returns backend logits."""
-    ws, backend = state.workspace, state.backend
+    ws = state.workspace
     n = len(tokens)
-    backend.copy_into(ws.tokens[:n], np.asarray(tokens, dtype=np.int32))
-    backend.copy_into(ws.start, np.asarray([start], dtype=np.int32))
-    return state.arch.forward(state.config, state.weights, ws, backend, state.cache, n, logits_out)
+    state.backend.copy_into(ws.ids[: n + 1], np.asarray([start, *tokens], dtype=np.int32))
+    return state.arch.forward(state.config, state.weights, ws, state.backend, state.cache, n, logits_out)
 
 
 def prefill(state: ModelState, prompt: list[int], should_stop: Callable[[], bool] | None = None):
@@ -89,9 +88,8 @@ def prefill(state: ModelState, prompt: list[int], should_stop: Callable[[], bool
 
 def decode_one_token(state: ModelState, token: int):
     """Append one token to the cache and return the logits (vocab,) for the token after it."""
-    ws, backend = state.workspace, state.backend
-    backend.copy_into(ws.tokens[:1], np.asarray([token], dtype=np.int32))
-    backend.copy_into(ws.start, np.asarray([len(state.cached)], dtype=np.int32))
+    ws = state.workspace
+    state.backend.copy_into(ws.ids[:2], np.asarray([len(state.cached), token], dtype=np.int32))
     state.decode_step()
     state.cached.append([token])
     return ws.logits[0]

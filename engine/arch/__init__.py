@@ -4,8 +4,9 @@ An architecture module provides plain functions (no layer classes), the same for
 
     read_config(gguf) -> config      with n_layers, n_kv_heads, head_dim, vocab_size, context_length
     load_weights(gguf, config, backend, max_positions, on_progress, should_cancel) -> weights
-    new_workspace(config, backend, max_chunk) -> workspace with .tokens (max_chunk,) int32, .start (1,) int32,
-                                                 .logits (1, vocab) float32 and .max_chunk
+    new_workspace(config, backend, max_chunk) -> workspace with .ids (1 + max_chunk,) int32 (the first position,
+                                                 then the token ids; .start and .tokens view it), .logits (1, vocab)
+                                                 float32 and .max_chunk
     forward(config, weights, workspace, backend, cache, n, logits_out=None) -> logits
 """
 

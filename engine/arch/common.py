@@ -141,8 +141,9 @@ def read_transformer_fields(gguf: GGUFFile, rope_base: float, rms_eps: float, ff
 class Workspace:
     """Activation buffers for chunks of up to `max_chunk` tokens, allocated once."""
 
-    tokens: Any  # (max_chunk,) int32: ids of the chunk, set by the caller
-    start: Any  # (1,) int32: position of the chunk's first token, set by the caller
+    ids: Any  # (1 + max_chunk,) int32: the chunk's first position, then its token ids; set by the caller in one copy
+    tokens: Any  # ids[1:], the token ids
+    start: Any  # ids[:1], the position of the chunk's first token
     x: Any  # (max_chunk, hidden) residual stream
     h: Any  # (max_chunk, hidden) normed input of the next projection
     qkv: Any  # (max_chunk, q_dim + 2 kv_dim)
@@ -159,9 +160,11 @@ def new_workspace(config: Any, backend: Backend, max_chunk: int, ffn_width: int 
     """Buffers for a transformer config with hidden, q_dim, kv_dim, ffn and vocab_size; `ffn_width` overrides ffn."""
     e = backend.empty
     ffn = config.ffn if ffn_width is None else ffn_width
+    ids = e((1 + max_chunk,), np.int32)
     return Workspace(
-        tokens=e((max_chunk,), np.int32),
-        start=e((1,), np.int32),
+        ids=ids,
+        tokens=ids[1:],
+        start=ids[:1],
         x=e((max_chunk, config.hidden)),
         h=e((max_chunk, config.hidden)),
         qkv=e((max_chunk, config.q_dim + 2 * config.kv_dim)),
