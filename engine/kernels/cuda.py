@@ -66,10 +66,14 @@ _programmatic = [False]
 
 @functools.cache
 def _launch_ex() -> Any:
-    """The driver's cuLaunchKernelEx when this GPU supports programmatic dependent launch (sm_90+), else None."""
+    """The driver's cuLaunchKernelEx when this GPU supports programmatic dependent launch (sm_90+) and the driver
+    library is found under its Linux name (12.0 or newer), else None: kernels then launch the ordinary way."""
     if int(cupy.cuda.Device().compute_capability) < 90:
         return None
-    fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+    try:
+        fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+    except (OSError, AttributeError):
+        return None
     fn.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
     fn.restype = ctypes.c_int
     return fn
