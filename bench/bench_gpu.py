@@ -1,9 +1,10 @@
 """Prompt and output speed of a GGUF model on the engine (an H200 is what it was written for); not a test.
 
 Prints one JSON line per model: model, tensor types, GPU, prompt length, context, prompt tokens/s, output
-tokens/s (the best of --repeats runs, the median beside it), the bandwidth floor of a decode step (bytes of weights read per token / 4.3 TB/s) and the fraction of
-it reached. The prompt is random token ids (speed does not depend on them); the output is greedy, sampled on the
-GPU the way a chat does (one id back to the host per token), for a fixed number of tokens.
+tokens/s (the best of --repeats runs, the median beside it), the bandwidth floor of a decode step (bytes of
+weights read per token / 4.3 TB/s) and the fraction of it reached. The prompt is random token ids (speed does
+not depend on them); the output is greedy, sampled on the GPU the way a chat does (one id back to the host per
+token), for a fixed number of tokens.
 
 Usage: python bench/bench_gpu.py MODEL.gguf [MODEL.gguf ...] [--prompt 512] [--output 128] [--device cuda]
        [--repeats 5]
