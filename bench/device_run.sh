@@ -1,9 +1,9 @@
-# One device call: install the carried gguf wheel, run the GPU tests, then the speed benchmarks.
+# One device call: install the carried wheels, run the GPU tests, then the speed benchmarks.
 # Usage (on the GPU machine, repo root): bash bench/device_run.sh [tests] [kernels] [synthetic] [profile] [smol]
 #                                        [archs] [memory] [issue5]
 # The GPU machine has no network: .whl/ holds the wheels it lacks (gguf; pydantic and its dependencies, which
-# tests/conftest.py's catalog lookup imports; `pip download` them for Python 3.12), and the SmolLM2 GGUF (98 MB, over one call's
-# 64 MB) travels in two parts, .carry/smol.part00 (copied to /tmp/strata by a first call) and
+# tests/conftest.py's catalog lookup imports; `pip download` them for Python 3.12), and the SmolLM2 GGUF
+# (98 MB, over one call's 64 MB) travels in two parts, .carry/smol.part00 (copied to /tmp/strata by a first call) and
 # .carry/smol.part01 (joined to it by the `smol` step of a second call while the machine is still warm).
 # archs, memory and issue5 need no model file: .carry/smollm2-tokenizer.gguf (tests/gguf_convert.py
 # write_tokenizer_gguf) and the skeletons .carry/smollm2-skeleton.gguf, .carry/gemma3-skeleton.gguf
