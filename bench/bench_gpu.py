@@ -13,6 +13,7 @@ Usage: python bench/bench_gpu.py MODEL.gguf [MODEL.gguf ...] [--prompt 512] [--o
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -166,7 +167,7 @@ def run(path: Path, prompt_len: int, output_len: int, device: str, repeats: int)
     # The same step captured with ordinary launches (no programmatic dependent launch), for comparison.
     plain_ms = None
     if backend.name == "cupy":
-        forward = lambda: state.arch.forward(state.config, state.weights, state.workspace, backend, state.cache, 1)  # noqa: E731
+        forward = functools.partial(state.arch.forward, state.config, state.weights, state.workspace, backend, state.cache, 1)
         plain_ms = round(_replay_us(backend, forward, 10) / 1e3, 4)
     # Per-op breakdowns exist for Llama's layer and the experts' half of a qwen3moe layer.
     breakdowns = {"llama": decode_breakdown_us, "qwen3moe": moe_breakdown_us}
