@@ -3,8 +3,8 @@
 Prints one JSON line per model: model, tensor types, GPU, prompt length, context, prompt tokens/s, output
 tokens/s (the best of --repeats runs, the median beside it), the bandwidth floor of a decode step (bytes of
 weights read per token / 4.3 TB/s) and the fraction of it reached. The prompt is random token ids (speed does
-not depend on them); the output is greedy, sampled on the GPU the way a chat does (one id back to the host per
-token), for a fixed number of tokens.
+not depend on them); the output is greedy, made the way a chat makes it (generate.sampled_tokens: picked on the
+GPU, each step queued before the id it feeds comes back to the host), for a fixed number of tokens.
 
 Usage: python bench/bench_gpu.py MODEL.gguf [MODEL.gguf ...] [--prompt 512] [--output 128] [--device cuda]
        [--repeats 5]
@@ -25,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine import load_model  # noqa: E402
 from engine.backend import SamplingParams  # noqa: E402
-from engine.generate import decode_one_token, prefill  # noqa: E402
+from engine.generate import prefill, sampled_tokens  # noqa: E402
+from engine.sampler import Sampler  # noqa: E402
 
 BANDWIDTH = 4.3e12  # bytes/s, device-to-device copy measured on an H200 (shared/reference/engine-anchors.md)
 GREEDY = SamplingParams(temperature=0.0)
@@ -137,7 +138,6 @@ def run(path: Path, prompt_len: int, output_len: int, device: str, repeats: int)
     backend = state.backend
     rng = np.random.default_rng(0)
     prompt = rng.integers(2, model.info.vocab_size, prompt_len).tolist()
-    none = np.zeros(0, np.int32)
 
     def timed_prefill() -> tuple[float, object]:
         state.cached.clear()
@@ -148,11 +148,11 @@ def run(path: Path, prompt_len: int, output_len: int, device: str, repeats: int)
         return time.perf_counter() - t, logits
 
     def timed_decode(first_logits) -> float:
-        token = backend.sample(first_logits, GREEDY, none, 0.0)
+        """Seconds for output_len decode steps, made as a chat makes them (generate.sampled_tokens); the pick from
+        the prompt's logits is timed too."""
         t = time.perf_counter()
-        for _ in range(output_len):
-            logits = decode_one_token(state, token)
-            token = backend.sample(logits, GREEDY, none, 0.0)
+        for _ in sampled_tokens(state, Sampler(backend, GREEDY), first_logits, output_len + 1):
+            pass
         return time.perf_counter() - t
 
     timed_decode(timed_prefill()[1])  # warm-up: kernel compilation, cuBLAS, graph capture

@@ -277,3 +277,11 @@ class Backend(Protocol):
         """Pick the next token id from logits (vocab,) float32 as `SamplingParams` describes and return it to
         the host. recent_tokens: host int32 array of the ids the repeat penalty applies to (may be empty);
         uniform: a number in [0, 1) drawn by the caller's seeded generator. Does not modify logits."""
+
+    def sample_feed(
+        self, logits: Array, params: SamplingParams, uniform: float, ids: Array, position: int
+    ) -> Callable[[], int]:
+        """Pick like `sample` (params.repeat_penalty must be 1: the history it needs stays on the host) and write
+        [position, id] into ids[:2], the next decode step's input (the workspace's ids). Returns a function that
+        gives the id on the host. The GPU backend returns before the id is known, so a decode step queued before
+        that function is called runs while the host works on the token before it."""

@@ -15,6 +15,7 @@ import gc
 from typing import Any, Callable
 
 import cupy
+import cupyx
 import numpy as np
 
 from engine import quants
@@ -27,6 +28,7 @@ from engine.kernels.gpu_layout import supported
 MIN_COMPUTE_CAPABILITY = (7, 5)
 DEQUANT_SCRATCH_ELEMENTS = 64 * 2**20  # fp16 scratch for one weight (or a row slice of a larger one): 128 MB
 TOPK_MAX = 1024  # top-k above this (or top_k = 0) sorts the whole vocabulary instead
+ID_SLOTS = 4  # sample_feed's pinned slots; two would do for one step queued ahead
 ACTIVATIONS = {"silu": K.ACT_SILU, "gelu_tanh": K.ACT_GELU_TANH}
 
 
@@ -78,6 +80,8 @@ class CupyBackend:
         # Prompt-path and sampling scratch, grown as needed outside graphs.
         self._scratch: dict[str, Any] = {}
         self._graphs: list[Any] = []
+        self._id_slots: tuple[np.ndarray, list[Any]] | None = None  # sample_feed's pinned ids and their events
+        self._id_next = 0
         self._closed = False
 
     # ---- memory ----
@@ -192,6 +196,7 @@ class CupyBackend:
         self._graphs.clear()
         self._q8 = []
         self._decode_scratch.clear()
+        self._id_slots = None
         gc.collect()  # arrays kept alive only by reference cycles go back to the pool before it is emptied
         cupy.get_default_memory_pool().free_all_blocks()
         cupy.get_default_pinned_memory_pool().free_all_blocks()
@@ -345,8 +350,9 @@ class CupyBackend:
             buf = self._decode_scratch[key] = cupy.empty(size, dtype)
         return buf[:size]
 
-    @_on_stream
-    def sample(self, logits: Any, params: SamplingParams, recent_tokens: np.ndarray, uniform: float) -> int:
+    def _pick(self, logits: Any, params: SamplingParams, recent_tokens: np.ndarray, uniform: float,
+              feed: tuple[Any, int] | None = None) -> Any:
+        """Queue the sampling kernels; returns the device int32 (1,) the id lands in (see K.argmax for feed)."""
         vocab = logits.size
         work = self._buffer("sample_logits", vocab, cupy.float32)
         chosen = self._buffer("sample_id", 1, cupy.int32)
@@ -360,7 +366,7 @@ class CupyBackend:
         else:
             cupy.copyto(work, logits)  # top-k consumes its input
         if params.temperature <= 0:
-            K.argmax(work, chosen)
+            K.argmax(work, chosen, feed)
         else:
             k = params.top_k if 0 < params.top_k < vocab else vocab
             if k <= TOPK_MAX:
@@ -370,5 +376,30 @@ class CupyBackend:
             else:
                 order = cupy.argsort(-work)[:k]
                 vals, ids = work[order], order.astype(cupy.int32)
-            K.sample_sorted(vals, ids, k, params.temperature, params.top_p, params.min_p, uniform, chosen)
-        return int(self.to_host(chosen)[0])
+            K.sample_sorted(vals, ids, k, params.temperature, params.top_p, params.min_p, uniform, chosen, feed)
+        return chosen
+
+    @_on_stream
+    def sample(self, logits: Any, params: SamplingParams, recent_tokens: np.ndarray, uniform: float) -> int:
+        return int(self.to_host(self._pick(logits, params, recent_tokens, uniform))[0])
+
+    @_on_stream
+    def sample_feed(
+        self, logits: Any, params: SamplingParams, uniform: float, ids: Any, position: int
+    ) -> Callable[[], int]:
+        chosen = self._pick(logits, params, np.zeros(0, np.int32), uniform, (ids, position))
+        # The id comes back through a ring of pinned slots, each with its event: a copy queued for a later
+        # token never overwrites a slot whose id has not been read yet (the caller reads before queuing two on).
+        if self._id_slots is None:
+            events = [cupy.cuda.Event(disable_timing=True) for _ in range(ID_SLOTS)]
+            self._id_slots = (cupyx.empty_pinned((ID_SLOTS,), np.int32), events)
+        host, events = self._id_slots
+        slot = self._id_next = (self._id_next + 1) % ID_SLOTS
+        chosen.get(stream=self.stream, out=host[slot : slot + 1])
+        events[slot].record(self.stream)
+
+        def result() -> int:
+            events[slot].synchronize()
+            return int(host[slot])
+
+        return result

@@ -124,3 +124,8 @@ class NumpyBackend:
 
     def sample(self, logits, params: SamplingParams, recent_tokens: np.ndarray, uniform: float) -> int:
         return reference.sample(logits, params, recent_tokens, uniform)
+
+    def sample_feed(self, logits, params: SamplingParams, uniform: float, ids, position: int) -> Callable[[], int]:
+        token = reference.sample(logits, params, np.zeros(0, np.int32), uniform)
+        ids[:2] = position, token
+        return lambda: token

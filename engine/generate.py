@@ -1,11 +1,12 @@
-"""Generation as a handful of plain functions named after the steps: prefill, decode_one_token, generate."""
+"""Generation as a handful of plain functions named after the steps: prefill, decode_one_token, sampled_tokens,
+generate."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -95,6 +96,26 @@ def decode_one_token(state: ModelState, token: int):
     return ws.logits[0]
 
 
+def sampled_tokens(state: ModelState, sampler: Sampler, logits, limit: int) -> Iterator[int]:
+    """Up to `limit` tokens: the first picked from `logits`, each later one from the decode step that feeds the one
+    before, as long as the context has room. The step feeding token t is queued before t is read back, so with a
+    sampler that leaves the pick on the device (no repeat penalty) the caller's work on t, such as detokenizing and
+    looking for stop strings, overlaps the device's step. t is in state.cached once that step is queued: a caller
+    that stops after t has its KV entry all the same."""
+    ws, cached = state.workspace, state.cached
+    pending = sampler.feed(logits, ws.ids, len(cached))
+    for n in range(limit):
+        if n + 1 == limit or len(cached) >= cached.capacity:
+            yield pending()
+            return
+        state.decode_step()
+        following = sampler.feed(ws.logits[0], ws.ids, len(cached) + 1)
+        token = pending()
+        cached.append([token])
+        yield token
+        pending = following
+
+
 def check_fits(state: ModelState, n_tokens: int) -> None:
     if n_tokens == 0:
         raise EngineError("The prompt is empty; give the model some text to continue.")
@@ -155,14 +176,14 @@ def generate(
     context, or should_stop."""
     if settings.max_tokens < 1:
         raise EngineError(f"max_tokens must be at least 1, not {settings.max_tokens}.")
-    sampler = Sampler(state.backend, settings.sampling(), settings.seed)
-    history = list(prompt)
+    sampler = Sampler(state.backend, settings.sampling(), settings.seed, prompt)
     started = time.perf_counter()
     logits, reused = prefill(state, prompt, should_stop)
     if logits is None:
         elapsed = time.perf_counter() - started
         return GenerationResult("", "cancelled", len(prompt), reused, 0, elapsed, 0.0, 0.0, 0.0)
-    token = sampler.next_token(logits, history)
+    tokens = sampled_tokens(state, sampler, logits, settings.max_tokens)
+    token = next(tokens)
     prompt_seconds = time.perf_counter() - started
 
     text = StopStringFilter(settings.stop, on_text)
@@ -174,17 +195,15 @@ def generate(
             finish = "stop"
             break
         completion += 1
-        history.append(token)
         if text.feed(decoder.push(token)):
             finish = "stop"
-            break
-        if completion >= settings.max_tokens or len(state.cached) >= state.cached.capacity:
             break
         if should_stop is not None and should_stop():
             finish = "cancelled"
             break
-        logits = decode_one_token(state, token)
-        token = sampler.next_token(logits, history)
+        token = next(tokens, None)
+        if token is None:  # max_tokens, or the context is full
+            break
         steps += 1
     # Bytes of a character the last token left unfinished are dropped rather than shown as U+FFFD.
     text.finish()

@@ -3,6 +3,9 @@ backend's `sample` op (NumPy reference in engine/kernels/reference.py), so a GPU
 
 from __future__ import annotations
 
+from collections import deque
+from typing import Callable
+
 import numpy as np
 
 from engine.backend import Backend, SamplingParams
@@ -27,15 +30,29 @@ def check_sampling(params: SamplingParams) -> None:
 
 
 class Sampler:
-    """Picks tokens with fixed settings; the same seed gives the same choices."""
+    """Picks tokens with fixed settings; the same seed gives the same choices. Keeps the recent tokens the repeat
+    penalty looks at: those of `history` (the prompt), then each token it picks."""
 
-    def __init__(self, backend: Backend, params: SamplingParams, seed: int | None = None):
+    def __init__(self, backend: Backend, params: SamplingParams, seed: int | None = None, history: list[int] = ()):
         check_sampling(params)
         self._backend = backend
         self.params = params
         self._rng = np.random.default_rng(seed)
+        self._recent = deque(history[-REPEAT_PENALTY_WINDOW:], maxlen=REPEAT_PENALTY_WINDOW)
 
-    def next_token(self, logits, history: list[int]) -> int:
-        """A token id from logits (vocab,) given every token so far (for the repeat penalty)."""
-        recent = np.asarray(history[-REPEAT_PENALTY_WINDOW:], dtype=np.int32)
-        return self._backend.sample(logits, self.params, recent, float(self._rng.random()))
+    def next_token(self, logits) -> int:
+        """A token id from logits (vocab,)."""
+        recent = np.fromiter(self._recent, np.int32, len(self._recent))
+        token = self._backend.sample(logits, self.params, recent, float(self._rng.random()))
+        self._recent.append(token)
+        return token
+
+    def feed(self, logits, ids, position: int) -> Callable[[], int]:
+        """Pick a token from logits and write [position, token] into ids[:2], the next decode step's input;
+        returns a function that gives the token. Without a repeat penalty the pick stays on the device until
+        that function is called (Backend.sample_feed); with one, it needs the host's history and is made now."""
+        if self.params.repeat_penalty == 1.0:
+            return self._backend.sample_feed(logits, self.params, float(self._rng.random()), ids, position)
+        token = self.next_token(logits)
+        self._backend.copy_into(ids[:2], np.asarray([position, token], np.int32))
+        return lambda: token

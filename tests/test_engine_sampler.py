@@ -1,6 +1,9 @@
-"""Sampling: the reference op on hand-made distributions, and the seeded host stream."""
+"""Sampling: the reference op on hand-made distributions, the seeded host stream, and the order in which
+decode steps and picks are queued."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -8,6 +11,7 @@ import pytest
 from engine.backend import SamplingParams
 from engine.backend_numpy import NumpyBackend
 from engine.errors import EngineError
+from engine.generate import sampled_tokens
 from engine.kernels.reference import sample
 from engine.sampler import Sampler
 
@@ -77,7 +81,7 @@ def test_seed_reproduces_and_differs():
 
     def run(seed):
         sampler = Sampler(NumpyBackend(), params, seed)
-        return [sampler.next_token(logits, []) for _ in range(50)]
+        return [sampler.next_token(logits) for _ in range(50)]
 
     assert run(7) == run(7)
     assert run(7) != run(8)
@@ -96,3 +100,66 @@ def test_seed_reproduces_and_differs():
 def test_bad_settings_are_explained(params, fragment):
     with pytest.raises(EngineError, match=fragment):
         Sampler(NumpyBackend(), params)
+
+
+class _RecordingBackend(NumpyBackend):
+    """A NumPy backend that logs when a pick is queued and when it is read back."""
+
+    def __init__(self, log: list[str]):
+        super().__init__()
+        self.log = log
+
+    def sample_feed(self, logits, params, uniform, ids, position):
+        result = super().sample_feed(logits, params, uniform, ids, position)
+        n = sum(e.startswith("pick") for e in self.log)
+        self.log.append(f"pick{n}")
+
+        def read():
+            self.log.append(f"read{n}")
+            return result()
+
+        return read
+
+
+def _toy_state(backend, capacity: int, log: list[str]):
+    """A ModelState whose 'model' makes token t + 1 follow token t (vocab 50), logging each decode step."""
+    from engine.generate import ModelState
+    from engine.kv_cache import CachedTokens
+
+    ws = SimpleNamespace(ids=np.zeros(2, np.int32), logits=np.zeros((1, 50), np.float32))
+
+    def step():
+        log.append(f"step@{ws.ids[0]}")
+        ws.logits[0] = 0.0
+        ws.logits[0, (ws.ids[1] + 1) % 50] = 1.0
+
+    cached = CachedTokens(capacity)
+    return ModelState(None, None, None, ws, None, backend, cached, step), ws
+
+
+def test_sampled_tokens_queue_each_step_before_reading_the_token_it_feeds():
+    log: list[str] = []
+    backend = _RecordingBackend(log)
+    state, ws = _toy_state(backend, capacity=100, log=log)
+    state.cached.append([7, 8, 9])
+    first = np.zeros(50, np.float32)
+    first[10] = 1.0
+    tokens = list(sampled_tokens(state, Sampler(backend, SamplingParams(temperature=0)), first, limit=4))
+    assert tokens == [10, 11, 12, 13]
+    # The step at position 3 (feeding token 10) is queued before token 10 is read: the host's work overlaps it.
+    assert log == ["pick0", "step@3", "pick1", "read0", "step@4", "pick2", "read1", "step@5", "pick3", "read2", "read3"]
+    assert state.cached.tokens == [7, 8, 9, 10, 11, 12]  # every fed token; the last one was never fed
+
+
+def test_sampled_tokens_stop_at_the_end_of_the_context_and_penalty_picks_in_order():
+    log: list[str] = []
+    backend = _RecordingBackend(log)
+    state, _ = _toy_state(backend, capacity=5, log=log)
+    state.cached.append([1, 2])
+    first = np.zeros(50, np.float32)
+    first[3] = 1.0
+    # With a repeat penalty the pick needs the host's history, so it is made at once (no queued reads).
+    sampler = Sampler(backend, SamplingParams(temperature=0, repeat_penalty=1.3), history=[1, 2])
+    tokens = list(sampled_tokens(state, sampler, first, limit=10))
+    assert tokens == [3, 4, 5, 6]  # positions 2, 3, 4 are fed; the fourth token has no room
+    assert log == ["step@2", "step@3", "step@4"] and len(state.cached) == state.cached.capacity

@@ -11,8 +11,9 @@ from gpu_support import require_gpu
 
 from engine import GenerationSettings, load_model
 from engine.backend import SamplingParams
-from engine.generate import decode_one_token, prefill
+from engine.generate import prefill, sampled_tokens
 from engine.kernels import reference
+from engine.sampler import Sampler
 
 cp = require_gpu()
 pytestmark = pytest.mark.gpu
@@ -63,14 +64,10 @@ def test_teacher_forced_top1_agreement(models):
 
 
 def greedy(model, ids, n):
+    """n greedy tokens the way a chat makes them (on the GPU: each step queued before its token is read)."""
     state = model._state
-    backend = state.backend
-    none = np.zeros(0, np.int32)
     logits, _ = prefill(state, list(ids))
-    tokens = [backend.sample(logits, GREEDY, none, 0.0)]
-    for _ in range(n - 1):
-        tokens.append(backend.sample(decode_one_token(state, tokens[-1]), GREEDY, none, 0.0))
-    return tokens
+    return list(sampled_tokens(state, Sampler(state.backend, GREEDY), logits, n))
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
@@ -99,6 +96,13 @@ def test_sampling_on_the_gpu_matches_the_reference(models):
         agree = sum(backend.sample(dev, params, recent, float(u)) == reference.sample(logits, params, recent, float(u))
                     for u in draws)
         assert agree >= 49, f"{params}: {agree}/50 draws agree"
+    # sample_feed picks the same and also writes [position, id] where the next decode step reads its input.
+    ids = cp.zeros(2, cp.int32)
+    for params in (SamplingParams(), GREEDY):
+        pending = [(u, backend.sample_feed(dev, params, float(u), ids, 77)) for u in rng.random(4)]
+        picked = [result() for _, result in pending]
+        assert picked == [backend.sample(dev, params, np.zeros(0, np.int32), float(u)) for u, _ in pending]
+        assert ids.get().tolist() == [77, picked[-1]]
     assert np.array_equal(dev.get(), logits), "sample must not modify the logits"
 
 

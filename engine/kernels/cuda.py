@@ -369,8 +369,13 @@ def repeat_penalty(logits, out, ids, n_ids: int, penalty: float) -> None:
     launch("sampling", "repeat_penalty", (_blocks(vocab, 256),), (256,), (logits, out, ids, i32(n_ids), f32(penalty), i32(vocab)))
 
 
-def argmax(v, out_id) -> None:
-    launch("sampling", "argmax", (1,), (1024,), (v, i32(v.size), out_id))
+def _feed_args(feed: tuple[Any, int] | None) -> tuple[Any, Any]:
+    """feed = (ids, position): the picker also writes [position, id] to ids[:2] (sampling.cu)."""
+    return (feed[0], i32(feed[1])) if feed is not None else (np.uintp(0), i32(0))
+
+
+def argmax(v, out_id, feed: tuple[Any, int] | None = None) -> None:
+    launch("sampling", "argmax", (1,), (1024,), (v, i32(v.size), out_id, *_feed_args(feed)))
 
 
 def topk(v, k: int, out_v, out_id) -> None:
@@ -378,7 +383,7 @@ def topk(v, k: int, out_v, out_id) -> None:
     launch("sampling", "topk", (1,), (1024,), (v, i32(v.size), i32(k), out_v, out_id))
 
 
-def sample_sorted(vals, ids, n: int, temperature: float, top_p: float, min_p: float, u: float, out_id) -> None:
-    launch("sampling", "sample_sorted",
-        (1,), (1024,), (vals, ids, i32(n), f32(1.0 / temperature), f32(top_p), f32(min_p), f32(u), out_id)
-    )
+def sample_sorted(vals, ids, n: int, temperature: float, top_p: float, min_p: float, u: float, out_id,
+                  feed: tuple[Any, int] | None = None) -> None:
+    launch("sampling", "sample_sorted", (1,), (1024,),
+           (vals, ids, i32(n), f32(1.0 / temperature), f32(top_p), f32(min_p), f32(u), out_id, *_feed_args(feed)))

@@ -52,8 +52,17 @@ __device__ __forceinline__ void local_best(const float* v, int n, float& bv, int
         if (better(v[i], i, bv, bi)) { bv = v[i]; bi = i; }
 }
 
-// One block: out_id[0] = argmax (lowest id on ties).
-extern "C" __global__ void argmax(const float* __restrict__ v, int n, int* __restrict__ out_id) {
+__device__ __forceinline__ void emit(int id, int* __restrict__ out_id, int* __restrict__ feed, int position) {
+    out_id[0] = id;
+    if (feed != nullptr) {
+        feed[0] = position;
+        feed[1] = id;
+    }
+}
+
+// One block: the argmax (lowest id on ties).
+extern "C" __global__ void argmax(const float* __restrict__ v, int n, int* __restrict__ out_id, int* __restrict__ feed,
+                                  int position) {
     grid_dependency_sync();
     __shared__ float sv[32];
     __shared__ int si[32];
@@ -62,7 +71,7 @@ extern "C" __global__ void argmax(const float* __restrict__ v, int n, int* __res
     local_best(v, n, bv, bi);
     block_best(bv, bi, sv, si);
     // All-NaN logits leave no candidate; answer id 0 rather than an id outside the vocabulary.
-    if (threadIdx.x == 0) out_id[0] = bi == 0x7FFFFFFF ? 0 : bi;
+    if (threadIdx.x == 0) emit(bi == 0x7FFFFFFF ? 0 : bi, out_id, feed, position);
 }
 
 // One block: the k best entries of v in order. v is consumed (taken entries become -inf); only the thread
@@ -137,7 +146,7 @@ __device__ int first_cross(const float* vals, int n, float inv_temp, float targe
 // cumulative probability exceeds u times the kept total.
 extern "C" __global__ void sample_sorted(const float* __restrict__ vals, const int* __restrict__ ids, int n,
                                          float inv_temp, float top_p, float min_p, float u,
-                                         int* __restrict__ out_id) {
+                                         int* __restrict__ out_id, int* __restrict__ feed, int position) {
     grid_dependency_sync();
     __shared__ float sh[32];
     __shared__ int found;
@@ -168,7 +177,7 @@ extern "C" __global__ void sample_sorted(const float* __restrict__ vals, const i
         kept += t;
     }
     const int pick = first_cross(vals, keep, inv_temp, u * kept, false, sh, &found);
-    if (threadIdx.x == 0) out_id[0] = ids[min(pick, keep - 1)];
+    if (threadIdx.x == 0) emit(ids[min(pick, keep - 1)], out_id, feed, position);
 }
 
 // Mixture-of-experts routing (engine/backend.py moe_route), one warp per token, 4 tokens a block, so no step waits
