@@ -3,7 +3,7 @@ product per weight type (plain and programmatic launches) and the prompt path's 
 
 Prints one JSON line per measurement. Decode launches are captured in a CUDA graph and replayed, rotating over
 enough weight copies that they do not fit in L2, so the time is the kernel's, not Python's or the cache's.
-Usage: python bench/gpu_kernels.py [copy] [matvec] [prompt]
+Usage: python bench/gpu_kernels.py [copy] [matvec] [matvec_shapes] [prompt]
 """
 
 from __future__ import annotations
@@ -73,33 +73,45 @@ def weight_copies(qtype, m, k, rng):
     return [K.upload_weight("w", qtype, (m, k), raw) for _ in range(copies)], raw.nbytes
 
 
-def bench_matvec(rng):
-    """The default variant (K.matvec_shape) of each decode product of the 8B and 1.2B shapes, launched plainly
-    and with programmatic dependent launch (where a kernel prefetches its weights while its predecessor runs)."""
+MATVEC_SHAPES = [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)]
+GLU_SHAPES = ["fused", *MATVEC_SHAPES]  # fused with the int8 quantization of its output, or followed by it
+
+
+def bench_matvec(rng, every_shape: bool = False):
+    """Each decode product of the 8B and 1.2B shapes. By default: its default kernel shape (K.matvec_shape,
+    K.glu_shape), launched plainly and with programmatic dependent launch (where a kernel prefetches its weights
+    while its predecessor runs). every_shape: every kernel shape of Q4_0 and Q4_K, programmatic launch only (as
+    decode graphs run). The gate/up pair includes the int8 quantization of its output for the down product."""
     shapes = {"8B qkv": (6144, 4096), "8B o": (4096, 4096), "8B ffn_down": (4096, 14336),
               "8B ffn_gate+up": (14336, 4096), "1.2B qkv": (3072, 2048), "1.2B ffn_down": (2048, 8192),
               "1.2B ffn_gate+up": (8192, 2048), "8B head": (128256, 4096)}
-    for qtype in (T.Q4_0, T.Q4_K, T.Q6_K):
+    for qtype in (T.Q4_0, T.Q4_K) if every_shape else (T.Q4_0, T.Q4_K, T.Q6_K):
         for label, (m, k) in shapes.items():
+            if every_shape and "head" in label:
+                continue
             ws, nbytes = weight_copies(qtype, m, k, rng)
             x = cp.asarray(rng.standard_normal(k).astype(np.float32))
             q8, q8_out = K.Q8.empty(k), K.Q8.empty(m)
             out = cp.empty(m, cp.float32)
             K.quantize_q8(x, q8)
-            if "gate" in label:
-                def launch():
-                    for i in range(0, len(ws) - 1, 2):
-                        K.matvec_glu(ws[i], ws[i + 1], x, q8, out, K.ACT_SILU, q8_out)
-                per, read = len(ws) // 2, 2 * nbytes
-            else:
-                def launch():
-                    for w in ws:
-                        K.matvec(w, x, q8, out)
-                per, read = len(ws), nbytes
-            for pdl in (False, True):
+            glu = "gate" in label
+            default = K.glu_shape(m, k, qtype) if glu else K.matvec_shape(m, k, qtype)
+            runs = [(shape, True) for shape in (GLU_SHAPES if glu else MATVEC_SHAPES)] if every_shape else [
+                (default, False), (default, True)]
+            for shape, pdl in runs:
+                if glu:
+                    def launch(shape=shape):
+                        for i in range(0, len(ws) - 1, 2):
+                            K.matvec_glu(ws[i], ws[i + 1], x, q8, out, K.ACT_SILU, q8_out, shape)
+                    per, read = len(ws) // 2, 2 * nbytes
+                else:
+                    def launch(shape=shape):
+                        for w in ws:
+                            K.matvec(w, x, q8, out, shape)
+                    per, read = len(ws), nbytes
                 t = timed_graph(launch, pdl=pdl) / per
                 print(json.dumps({"kernel": "matvec", "type": qtype.name, "shape": label, "m": m, "k": k,
-                                  "variant": "glu_q8" if "gate" in label else K.matvec_shape(m, k, qtype), "pdl": pdl,
+                                  "variant": shape, "pdl": pdl,
                                   "us": round(t * 1e6, 2), "GB/s": round(read / t / 1e9, 1),
                                   "fraction_of_4.3TB/s": round(read / t / BANDWIDTH, 3)}), flush=True)
 
@@ -137,6 +149,8 @@ def main() -> None:
         bench_copy()
     if "matvec" in parts:
         bench_matvec(rng)
+    if "matvec_shapes" in parts:
+        bench_matvec(rng, every_shape=True)
     if "prompt" in parts:
         bench_prompt(rng)
 

@@ -350,12 +350,11 @@ class CupyBackend:
             buf = self._decode_scratch[key] = cupy.empty(size, dtype)
         return buf[:size]
 
-    def _pick(self, logits: Any, params: SamplingParams, recent_tokens: np.ndarray, uniform: float,
-              feed: tuple[Any, int] | None = None) -> Any:
-        """Queue the sampling kernels; returns the device int32 (1,) the id lands in (see K.argmax for feed)."""
+    def _pick(self, logits: Any, params: SamplingParams, recent_tokens: np.ndarray, uniform: float, chosen: Any,
+              feed: tuple[Any, int] | None = None) -> None:
+        """Queue the sampling kernels; the id lands in chosen (device or pinned host int32), and in feed (K.argmax)."""
         vocab = logits.size
         work = self._buffer("sample_logits", vocab, cupy.float32)
-        chosen = self._buffer("sample_id", 1, cupy.int32)
         if params.repeat_penalty != 1.0 and len(recent_tokens):
             ids = np.unique(np.asarray(recent_tokens, np.int32))
             dev_ids = self._buffer("sample_recent", ids.size, cupy.int32)
@@ -366,7 +365,9 @@ class CupyBackend:
         else:
             cupy.copyto(work, logits)  # top-k consumes its input
         if params.temperature <= 0:
-            K.argmax(work, chosen, feed)
+            if "argmax" not in self._scratch:
+                self._scratch["argmax"] = K.argmax_scratch()
+            K.argmax(work, chosen, self._scratch["argmax"], feed)
         else:
             k = params.top_k if 0 < params.top_k < vocab else vocab
             if k <= TOPK_MAX:
@@ -377,25 +378,27 @@ class CupyBackend:
                 order = cupy.argsort(-work)[:k]
                 vals, ids = work[order], order.astype(cupy.int32)
             K.sample_sorted(vals, ids, k, params.temperature, params.top_p, params.min_p, uniform, chosen, feed)
-        return chosen
 
     @_on_stream
     def sample(self, logits: Any, params: SamplingParams, recent_tokens: np.ndarray, uniform: float) -> int:
-        return int(self.to_host(self._pick(logits, params, recent_tokens, uniform))[0])
+        chosen = self._buffer("sample_id", 1, cupy.int32)
+        self._pick(logits, params, recent_tokens, uniform, chosen)
+        return int(self.to_host(chosen)[0])
 
     @_on_stream
     def sample_feed(
         self, logits: Any, params: SamplingParams, uniform: float, ids: Any, position: int
     ) -> Callable[[], int]:
-        chosen = self._pick(logits, params, np.zeros(0, np.int32), uniform, (ids, position))
-        # The id comes back through a ring of pinned slots, each with its event: a copy queued for a later
-        # token never overwrites a slot whose id has not been read yet (the caller reads before queuing two on).
+        # The picking kernel writes the id straight into a pinned host slot (host memory the GPU addresses
+        # directly), so nothing but that kernel sits between two decode steps. A ring of slots, each with its
+        # event: a later token never overwrites a slot whose id has not been read (the caller reads each id
+        # before queuing the step after next).
         if self._id_slots is None:
             events = [cupy.cuda.Event(disable_timing=True) for _ in range(ID_SLOTS)]
             self._id_slots = (cupyx.empty_pinned((ID_SLOTS,), np.int32), events)
         host, events = self._id_slots
         slot = self._id_next = (self._id_next + 1) % ID_SLOTS
-        chosen.get(stream=self.stream, out=host[slot : slot + 1])
+        self._pick(logits, params, np.zeros(0, np.int32), uniform, np.uintp(host[slot:].ctypes.data), (ids, position))
         events[slot].record(self.stream)
 
         def result() -> int:

@@ -18,6 +18,7 @@ cp = require_gpu()
 pytestmark = pytest.mark.gpu
 
 from engine.kernels import cuda as K  # noqa: E402  (needs CuPy)
+import cupyx  # noqa: E402
 
 QUANT_TYPES = list(PLANES)
 ALL_TYPES = QUANT_TYPES + list(FLOAT_TYPES)
@@ -109,11 +110,12 @@ def test_matvec_glu(qtype, act):
     out = poisoned(m)
     K.matvec_glu(gate, up, xd, q8 if gate.quantized else None, out, act)
     assert rel(out.get(), a * u) < 1e-5
-    if gate.quantized:  # the variant that also quantizes its output for the down projection
-        out2, q8_out = poisoned(m), K.Q8.empty(m)
-        K.matvec_glu(gate, up, xd, q8, out2, act, q8_out)
-        assert rel(out2.get(), a * u) < 1e-5
-        assert_q8_of(q8_out, out2.get())
+    if gate.quantized:  # every kernel shape, each also quantizing its output for the down projection
+        for shape in ("fused", (1, 1), (2, 1), (4, 1), (1, 2), (2, 2)):
+            out2, q8_out = poisoned(m), K.Q8.empty(m)
+            K.matvec_glu(gate, up, xd, q8, out2, act, q8_out, shape)
+            assert rel(out2.get(), a * u) < 1e-5, shape
+            assert_q8_of(q8_out, out2.get())
 
 
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
@@ -259,9 +261,16 @@ def test_argmax_and_repeat_penalty():
     vocab = 49152
     logits = rng.standard_normal(vocab).astype(np.float32)
     logits[[100, 20000]] = logits.max() + 1.0  # a tie: the lower id wins
-    out_id = cp.full(1, -1, cp.int32)
-    K.argmax(cp.asarray(logits), out_id)
+    out_id, scratch = cp.full(1, -1, cp.int32), K.argmax_scratch()
+    K.argmax(cp.asarray(logits), out_id, scratch)
     assert int(out_id.get()[0]) == 100
+    assert not scratch[-1].get(), "the last block leaves the arrival count at zero for the next launch"
+    # Again on the same scratch, the id written straight to pinned host memory and fed to a decode step's ids.
+    logits[40000] = logits.max() + 1.0
+    host, ids = cupyx.empty_pinned((1,), np.int32), cp.zeros(2, cp.int32)
+    K.argmax(cp.asarray(logits), np.uintp(host.ctypes.data), scratch, (ids, 123))
+    cp.cuda.get_current_stream().synchronize()
+    assert int(host[0]) == 40000 and ids.get().tolist() == [123, 40000]
     recent = np.array([100, 5, 5, 20000, 7], np.int32)
     pen = poisoned(vocab)
     K.repeat_penalty(cp.asarray(logits), pen, cp.asarray(recent), recent.size, 1.3)

@@ -91,14 +91,26 @@ __device__ __forceinline__ void attention_partial_impl(const float* __restrict__
     const int per = (len + n_splits - 1) / n_splits;
     const int lo = first + split * per;
     const int hi = min(lo + per, pos + 1);
+    const u16* kbase = k_cache + (long)kvh * max_tokens * HD;
+    const u16* vbase = v_cache + (long)kvh * max_tokens * HD;
+    // Decode: the cached keys and values (all but the newest, which the kernel before writes) and the position
+    // (set before the step) do not depend on the kernel before, so ask L2 for this warp's rows while it finishes.
+    if (n == 1) {
+        const char* kb = reinterpret_cast<const char*>(kbase + (long)lo * HD);
+        const char* vb = reinterpret_cast<const char*>(vbase + (long)lo * HD);
+        for (long off = 128L * lane; off < (long)(hi - lo) * HD * 2; off += 32 * 128) {
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(kb + off));
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(vb + off));
+        }
+    }
+    grid_dependency_sync();
 
     const float* qr = q + qi * q_stride + (long)head * HD;
 #pragma unroll
     for (int i = 0; i < HD / 32; ++i) qs[warp][lane + 32 * i] = qr[lane + 32 * i] * scale_log2;
     __syncwarp();
     float acc[HD / 32], m, l;
-    warp_attend<HD>(qs[warp], k_cache + (long)kvh * max_tokens * HD, v_cache + (long)kvh * max_tokens * HD, lo, hi,
-                    acc, m, l);
+    warp_attend<HD>(qs[warp], kbase, vbase, lo, hi, acc, m, l);
     float* out = part + (((long)qi * n_heads + head) * n_splits + split) * (HD + 2);
 #pragma unroll
     for (int i = 0; i < HD / 32; ++i) out[lane + 32 * i] = acc[i];
@@ -112,7 +124,6 @@ __device__ __forceinline__ void attention_partial_impl(const float* __restrict__
     extern "C" __global__ void attention_partial_##HD(                                                        \
         const float* q, long q_stride, const u16* k_cache, const u16* v_cache, int max_tokens, int n_heads,  \
         int n_kv, const int* start, int n, int window, float scale_log2, int wpq, float* part) {             \
-        grid_dependency_sync();                                                                              \
         attention_partial_impl<HD>(q, q_stride, k_cache, v_cache, max_tokens, n_heads, n_kv, start, n, window, \
                                    scale_log2, wpq, part);                                                     \
     }

@@ -196,6 +196,19 @@ def matvec_shape(m: int, k: int, qtype: T) -> tuple[int, int]:
     return (1 if m >= 65536 else 2), (2 if m >= 3072 else 1)
 
 
+def glu_shape(m: int, k: int, qtype: T) -> str | tuple[int, int]:
+    """matvec_glu's kernel shape when it quantizes its output, from timings on an H200 (bench/gpu_kernels.py
+    matvec_shapes): the fused kernel on small products; on large ones (the 8B FFN) a plain kernel shape, whose
+    short blocks finish more evenly, and then quantize_q8."""
+    if m * k < 32 * 2**20:
+        return "fused"
+    return (1, 2) if qtype in (T.Q4_K, T.Q5_K, T.Q6_K) else (2, 1)
+
+
+def _shape_suffix(wpr: int, rows: int) -> str:
+    return f"_w{wpr}" + ("_r2" if rows == 2 else "")
+
+
 def matvec(w: GpuWeight, x: Any, q8: Q8 | None, out: Any, shape: tuple[int, int] | None = None) -> None:
     """out (m,) = w (m, k) . x (k,); quantized weights read q8 (quantize_q8 of x), float ones read x. shape =
     (warps per row set, rows per set): the warps split the set's groups, the set's rows (1, or 2 with 1 or 2
@@ -203,21 +216,33 @@ def matvec(w: GpuWeight, x: Any, q8: Q8 | None, out: Any, shape: tuple[int, int]
     m, k = w.shape
     if w.quantized:
         wpr, rows = shape or matvec_shape(m, k, w.qtype)
-        name = f"matvec_{w.suffix}_w{wpr}" + ("_r2" if rows == 2 else "")
-        launch("matvec", name, (_blocks(m * wpr, WARPS * rows),), (32 * WARPS,), (*w.args(), *q8.args(), out, i32(m), i32(k)))
+        launch("matvec", f"matvec_{w.suffix}{_shape_suffix(wpr, rows)}", (_blocks(m * wpr, WARPS * rows),),
+               (32 * WARPS,), (*w.args(), *q8.args(), out, i32(m), i32(k)))
     else:
         launch("matvec", f"matvec_{w.suffix}", (_blocks(m, WARPS),), (32 * WARPS,), (w.data, x, out, i32(m), i32(k)))
 
 
-def matvec_glu(gate: GpuWeight, up: GpuWeight, x: Any, q8: Q8 | None, out: Any, act: int, q8_out: Q8 | None = None) -> None:
+def matvec_glu(gate: GpuWeight, up: GpuWeight, x: Any, q8: Q8 | None, out: Any, act: int, q8_out: Q8 | None = None,
+               shape: str | tuple[int, int] | None = None) -> None:
     """out (f,) = act(gate . x) * (up . x), both matrices read in one pass; with q8_out (quantized weights,
-    f a multiple of 32) the result is also quantized there for the next product."""
+    f a multiple of 32) the result is also quantized there for the next product. shape: "fused", one kernel
+    that quantizes 32 outputs a block as it writes them, or matvec's (warps per row set, rows per set), with
+    quantize_q8 after it; glu_shape picks by default."""
     m, k = gate.shape
-    if gate.quantized and q8_out is not None:
-        launch("matvec", f"matvec_glu_q8_{gate.suffix}", (m // 32,), (512,), (*gate.args(), *up.args(), *q8.args(), out, i32(k), i32(act), *q8_out.args()))
+    if not gate.quantized:
+        launch("matvec", f"matvec_glu_{gate.suffix}", (_blocks(m, WARPS),), (32 * WARPS,),
+               (*gate.args(), *up.args(), x, out, i32(m), i32(k), i32(act)))
         return
-    src = q8.args() if gate.quantized else (x,)
-    launch("matvec", f"matvec_glu_{gate.suffix}", (_blocks(m, WARPS),), (32 * WARPS,), (*gate.args(), *up.args(), *src, out, i32(m), i32(k), i32(act)))
+    shape = shape or (glu_shape(m, k, gate.qtype) if q8_out is not None else (1, 1))
+    if shape == "fused":
+        launch("matvec", f"matvec_glu_q8_{gate.suffix}", (m // 32,), (512,),
+               (*gate.args(), *up.args(), *q8.args(), out, i32(k), i32(act), *q8_out.args()))
+        return
+    wpr, rows = shape
+    launch("matvec", f"matvec_glu_{gate.suffix}{_shape_suffix(wpr, rows)}", (_blocks(m * wpr, WARPS * rows),),
+           (32 * WARPS,), (*gate.args(), *up.args(), *q8.args(), out, i32(m), i32(k), i32(act)))
+    if q8_out is not None:
+        quantize_q8(out, q8_out)
 
 
 def moe_gate_up(gate: GpuWeight, up: GpuWeight, x: Any, q8: Q8 | None, ids: Any, hidden: Any, act: int) -> None:
@@ -374,8 +399,17 @@ def _feed_args(feed: tuple[Any, int] | None) -> tuple[Any, Any]:
     return (feed[0], i32(feed[1])) if feed is not None else (np.uintp(0), i32(0))
 
 
-def argmax(v, out_id, feed: tuple[Any, int] | None = None) -> None:
-    launch("sampling", "argmax", (1,), (1024,), (v, i32(v.size), out_id, *_feed_args(feed)))
+ARGMAX_BLOCKS = 64
+
+
+def argmax_scratch() -> Any:
+    """What argmax needs between its blocks: zeroed once, left zeroed by every launch."""
+    return cupy.zeros(2 * ARGMAX_BLOCKS + 1, cupy.uint32)
+
+
+def argmax(v, out_id, scratch, feed: tuple[Any, int] | None = None) -> None:
+    """out_id[0] = the argmax of v (lowest id on ties); out_id may be pinned host memory (written directly)."""
+    launch("sampling", "argmax", (ARGMAX_BLOCKS,), (1024,), (v, i32(v.size), scratch, out_id, *_feed_args(feed)))
 
 
 def topk(v, k: int, out_v, out_id) -> None:

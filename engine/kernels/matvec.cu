@@ -145,49 +145,32 @@ __device__ __forceinline__ void matvec_glu_q8(const Planes* w, const signed char
     }
 }
 
-#define MATVEC_Q(name, B)                                                                                      \
-    extern "C" __global__ void matvec_##name##_w1(const u8* q, const u8* h, const u8* s, const u8* d,        \
-                                                  const signed char* xq, const signed char* xq2,             \
-                                                  const float2* xds, float* out, int m, int k) {             \
+// Kernels of one shape (WPR warps a row set of R rows, matvec_q): a product, and the gate/up pair.
+#define MATVEC_SHAPE(name, B, shape, WPR, R)                                                                   \
+    extern "C" __global__ void matvec_##name##shape(const u8* q, const u8* h, const u8* s, const u8* d,       \
+                                                    const signed char* xq, const signed char* xq2,            \
+                                                    const float2* xds, float* out, int m, int k) {            \
         const Planes w[1] = {{q, h, s, d}};                                                                    \
-        matvec_q<B, 1, 1, 1>(w, xq, xq2, xds, out, m, k, 0);                                                      \
+        matvec_q<B, 1, WPR, R>(w, xq, xq2, xds, out, m, k, 0);                                                 \
     }                                                                                                          \
-    extern "C" __global__ void matvec_##name##_w2(const u8* q, const u8* h, const u8* s, const u8* d,        \
-                                                  const signed char* xq, const signed char* xq2,             \
-                                                  const float2* xds, float* out, int m, int k) {             \
-        const Planes w[1] = {{q, h, s, d}};                                                                    \
-        matvec_q<B, 1, 2, 1>(w, xq, xq2, xds, out, m, k, 0);                                                      \
-    }                                                                                                          \
-    extern "C" __global__ void matvec_##name##_w4(const u8* q, const u8* h, const u8* s, const u8* d,        \
-                                                  const signed char* xq, const signed char* xq2,             \
-                                                  const float2* xds, float* out, int m, int k) {             \
-        const Planes w[1] = {{q, h, s, d}};                                                                    \
-        matvec_q<B, 1, 4, 1>(w, xq, xq2, xds, out, m, k, 0);                                                      \
-    }                                                                                                          \
-    extern "C" __global__ void matvec_##name##_w1_r2(const u8* q, const u8* h, const u8* s, const u8* d,     \
-                                                     const signed char* xq, const signed char* xq2,          \
-                                                     const float2* xds, float* out, int m, int k) {          \
-        const Planes w[1] = {{q, h, s, d}};                                                                    \
-        matvec_q<B, 1, 1, 2>(w, xq, xq2, xds, out, m, k, 0);                                                   \
-    }                                                                                                          \
-    extern "C" __global__ void matvec_##name##_w2_r2(const u8* q, const u8* h, const u8* s, const u8* d,     \
-                                                     const signed char* xq, const signed char* xq2,          \
-                                                     const float2* xds, float* out, int m, int k) {          \
-        const Planes w[1] = {{q, h, s, d}};                                                                    \
-        matvec_q<B, 1, 2, 2>(w, xq, xq2, xds, out, m, k, 0);                                                   \
-    }                                                                                                          \
-    extern "C" __global__ void matvec_glu_##name(const u8* q, const u8* h, const u8* s, const u8* d,         \
-                                                 const u8* q2, const u8* h2, const u8* s2, const u8* d2,      \
-                                                 const signed char* xq, const signed char* xq2,              \
-                                                 const float2* xds, float* out, int m, int k, int act) {     \
+    extern "C" __global__ void matvec_glu_##name##shape(const u8* q, const u8* h, const u8* s, const u8* d,   \
+                                                        const u8* q2, const u8* h2, const u8* s2, const u8* d2, \
+                                                        const signed char* xq, const signed char* xq2,        \
+                                                        const float2* xds, float* out, int m, int k, int act) { \
         const Planes w[2] = {{q, h, s, d}, {q2, h2, s2, d2}};                                                  \
-        matvec_q<B, 2, 1, 1>(w, xq, xq2, xds, out, m, k, act);                                                    \
-    }                                                                                                          \
-    extern "C" __global__ void __launch_bounds__(512) matvec_glu_q8_##name(const u8* q, const u8* h, const u8* s, const u8* d,      \
-                                                    const u8* q2, const u8* h2, const u8* s2, const u8* d2,   \
-                                                    const signed char* xq, const signed char* xq2,           \
-                                                    const float2* xds, float* out, int k, int act,            \
-                                                    signed char* oq, signed char* oq2, float2* ods) {         \
+        matvec_q<B, 2, WPR, R>(w, xq, xq2, xds, out, m, k, act);                                               \
+    }
+
+#define MATVEC_Q(name, B)                                                                                      \
+    MATVEC_SHAPE(name, B, _w1, 1, 1)                                                                           \
+    MATVEC_SHAPE(name, B, _w2, 2, 1)                                                                           \
+    MATVEC_SHAPE(name, B, _w4, 4, 1)                                                                           \
+    MATVEC_SHAPE(name, B, _w1_r2, 1, 2)                                                                        \
+    MATVEC_SHAPE(name, B, _w2_r2, 2, 2)                                                                        \
+    extern "C" __global__ void __launch_bounds__(512) matvec_glu_q8_##name(                                   \
+        const u8* q, const u8* h, const u8* s, const u8* d, const u8* q2, const u8* h2, const u8* s2,         \
+        const u8* d2, const signed char* xq, const signed char* xq2, const float2* xds, float* out, int k,     \
+        int act, signed char* oq, signed char* oq2, float2* ods) {                                             \
         const Planes w[2] = {{q, h, s, d}, {q2, h2, s2, d2}};                                                  \
         matvec_glu_q8<B>(w, xq, xq2, xds, out, k, act, oq, oq2, ods);                                          \
     }

@@ -44,11 +44,12 @@ __device__ void block_best(float& v, int& i, float* sv, int* si) {
     __syncthreads();
 }
 
-// The best of this thread's strided entries, skipping those already taken (value set to -inf by topk).
-__device__ __forceinline__ void local_best(const float* v, int n, float& bv, int& bi) {
+// The best of the entries first, first + stride, ... below n, skipping those already taken (value set to -inf by
+// topk).
+__device__ __forceinline__ void local_best(const float* v, int n, int first, int stride, float& bv, int& bi) {
     bv = NEG_INF;
     bi = 0x7FFFFFFF;
-    for (int i = threadIdx.x; i < n; i += blockDim.x)
+    for (int i = first; i < n; i += stride)
         if (better(v[i], i, bv, bi)) { bv = v[i]; bi = i; }
 }
 
@@ -60,18 +61,38 @@ __device__ __forceinline__ void emit(int id, int* __restrict__ out_id, int* __re
     }
 }
 
-// One block: the argmax (lowest id on ties).
-extern "C" __global__ void argmax(const float* __restrict__ v, int n, int* __restrict__ out_id, int* __restrict__ feed,
-                                  int position) {
+// The argmax (lowest id on ties) over a grid of blocks, each taking a strided share of v: each block leaves its
+// best in scratch (values as float bits in [0, blocks), ids in [blocks, 2 blocks)), and the last block to count
+// itself in at scratch[2 blocks] (zero before the launch, reset by that block) picks the best of those. One
+// block would read the whole vocabulary through one SM.
+extern "C" __global__ void argmax(const float* __restrict__ v, int n, unsigned* scratch, int* __restrict__ out_id,
+                                  int* __restrict__ feed, int position) {
     grid_dependency_sync();
     __shared__ float sv[32];
     __shared__ int si[32];
+    __shared__ bool last;
     float bv;
     int bi;
-    local_best(v, n, bv, bi);
+    local_best(v, n, blockIdx.x * blockDim.x + threadIdx.x, gridDim.x * blockDim.x, bv, bi);
     block_best(bv, bi, sv, si);
-    // All-NaN logits leave no candidate; answer id 0 rather than an id outside the vocabulary.
-    if (threadIdx.x == 0) emit(bi == 0x7FFFFFFF ? 0 : bi, out_id, feed, position);
+    const unsigned blocks = gridDim.x;
+    if (threadIdx.x == 0) {
+        scratch[blockIdx.x] = __float_as_uint(bv);
+        scratch[blocks + blockIdx.x] = (unsigned)bi;
+        __threadfence();
+        last = atomicAdd(scratch + 2 * blocks, 1u) == blocks - 1;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    bv = threadIdx.x < blocks ? __uint_as_float(__ldcg(scratch + threadIdx.x)) : NEG_INF;
+    bi = threadIdx.x < blocks ? (int)__ldcg(scratch + blocks + threadIdx.x) : 0x7FFFFFFF;
+    block_best(bv, bi, sv, si);
+    if (threadIdx.x == 0) {
+        scratch[2 * blocks] = 0;
+        // All-NaN logits leave no candidate; answer id 0 rather than an id outside the vocabulary.
+        emit(bi == 0x7FFFFFFF ? 0 : bi, out_id, feed, position);
+    }
 }
 
 // One block: the k best entries of v in order. v is consumed (taken entries become -inf); only the thread
@@ -83,7 +104,7 @@ extern "C" __global__ void topk(float* __restrict__ v, int n, int k, float* __re
     __shared__ int si[32];
     float mv;
     int mi;
-    local_best(v, n, mv, mi);
+    local_best(v, n, threadIdx.x, blockDim.x, mv, mi);
     for (int r = 0; r < k; ++r) {
         float bv = mv;
         int bi = mi;
@@ -91,7 +112,7 @@ extern "C" __global__ void topk(float* __restrict__ v, int n, int k, float* __re
         if (threadIdx.x == 0) { out_v[r] = bv; out_id[r] = bi == 0x7FFFFFFF ? 0 : bi; }
         if (bi != 0x7FFFFFFF && bi % blockDim.x == threadIdx.x) {
             v[bi] = NEG_INF;
-            local_best(v, n, mv, mi);
+            local_best(v, n, threadIdx.x, blockDim.x, mv, mi);
         }
     }
 }
