@@ -87,10 +87,17 @@ __device__ __forceinline__ void quantize_group4(float4 v, long g, int sub, bool 
 extern "C" __global__ void add_rms_norm(const float* __restrict__ x, float* __restrict__ residual,
                                         const float* __restrict__ w, float* __restrict__ out, int d, float eps,
                                         signed char* xq, signed char* xq2, float2* xds) {
-    grid_dependency_sync();
-    __shared__ float red[32];
     const long base = (long)blockIdx.x * d;
     const int n4 = d / 4;
+    // The norm weights never depend on the kernel before: their loads overlap its tail (grid_dependency_sync).
+    float4 wv[NORM_CHUNKS];
+#pragma unroll
+    for (int c = 0; c < NORM_CHUNKS; ++c) {
+        const int i = threadIdx.x + c * blockDim.x;
+        wv[c] = i < n4 ? __ldg(reinterpret_cast<const float4*>(w) + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+    grid_dependency_sync();
+    __shared__ float red[32];
     const float4* x4 = reinterpret_cast<const float4*>(x + base);
     float4* r4 = reinterpret_cast<float4*>(residual + base);
     float4 v[NORM_CHUNKS];
@@ -113,8 +120,8 @@ extern "C" __global__ void add_rms_norm(const float* __restrict__ x, float* __re
         if (c * blockDim.x >= n4) break;  // uniform over the block
         float4 o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         if (i < n4) {
-            const float4 wv = reinterpret_cast<const float4*>(w)[i];
-            o = make_float4(v[c].x * inv * wv.x, v[c].y * inv * wv.y, v[c].z * inv * wv.z, v[c].w * inv * wv.w);
+            o = make_float4(v[c].x * inv * wv[c].x, v[c].y * inv * wv[c].y, v[c].z * inv * wv[c].z,
+                            v[c].w * inv * wv[c].w);
             reinterpret_cast<float4*>(out + base)[i] = o;
         }
         if (xq != nullptr) quantize_group4(o, (base + 4L * i) / 32, i & 7, i < n4, xq, xq2, xds);
