@@ -5,7 +5,8 @@
 # tests/conftest.py's catalog lookup imports; `pip download` them for Python 3.12), and the SmolLM2 GGUF
 # (98 MB, over one call's 64 MB) travels in two parts, .carry/smol.part00 (copied to /tmp/strata by a first call) and
 # .carry/smol.part01 (joined to it by the `smol` step of a second call while the machine is still warm).
-# archs, memory and issue5 need no model file: .carry/smollm2-tokenizer.gguf (tests/gguf_convert.py
+# SYNTHETIC="8b:Q4_K ..." limits the synthetic step to those shape:type pairs. archs, memory and issue5 need no
+# model file: .carry/smollm2-tokenizer.gguf (tests/gguf_convert.py
 # write_tokenizer_gguf) and the skeletons .carry/smollm2-skeleton.gguf, .carry/gemma3-skeleton.gguf
 # (bench/replica_gguf.py) travel instead, a few MB each.
 set -o pipefail
@@ -18,7 +19,7 @@ for part in "$@"; do
     kernels) python3 bench/gpu_kernels.py matvec 2>&1 | tee "$OUT/kernels.jsonl" ;;
     shapes) python3 bench/gpu_kernels.py matvec_shapes 2>&1 | tee "$OUT/shapes.jsonl" ;;
     synthetic)
-      for spec in 1.2b:Q4_0 8b:Q4_0 8b:Q4_K; do
+      for spec in ${SYNTHETIC:-1.2b:Q4_0 8b:Q4_0 8b:Q4_K}; do
         f=/tmp/strata/synthetic-${spec/:/-}.gguf
         python3 bench/make_synthetic_gguf.py "$f" --shape "${spec%:*}" --type "${spec#*:}" && python3 bench/bench_gpu.py "$f" 2>&1 | tee -a "$OUT/bench.jsonl"
         rm -f "$f"

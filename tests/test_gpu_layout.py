@@ -28,6 +28,25 @@ def test_planar_round_trip_and_alignment(qtype):
     assert q_bytes % 16 == 0, "the kernels read each block's quant bytes with 16-byte loads"
 
 
+def test_q4_k_planes_decode_as_the_kernels_read_them():
+    """BlockQ4_K (quant_blocks.cuh) reads sub-block j from 16 bytes of its own (weight i in the low nibble of byte
+    i, weight i + 16 in the high one) and d, dmin, scales from one 16-byte S entry; that reading of the planes must
+    give the GGUF's values."""
+    n = 5
+    raw = random_blocks(T.Q4_K, n, np.random.default_rng(5))
+    buf, layout = to_planar(raw, T.Q4_K)
+    (s_at, s_len), (q_at, q_len) = layout.offsets["s"], layout.offsets["q"]
+    s_plane, q_plane = buf[s_at : s_at + s_len].reshape(n, 16), buf[q_at : q_at + q_len].reshape(n, 8, 16)
+    d, dmin = (s_plane[:, :4].copy().view(np.float16).astype(np.float32)).T
+    sc = s_plane[:, 4:].astype(np.uint32)
+    low6 = lambda i: sc[:, i] & 63  # noqa: E731
+    scale = np.stack([low6(j) if j < 4 else (sc[:, j + 4] & 15) | ((sc[:, j - 4] >> 6) << 4) for j in range(8)], 1)
+    mins = np.stack([low6(j + 4) if j < 4 else (sc[:, j + 4] >> 4) | ((sc[:, j] >> 6) << 4) for j in range(8)], 1)
+    q = np.concatenate([q_plane & 15, q_plane >> 4], axis=2).astype(np.float32)  # (n, sub-block, weight)
+    values = d[:, None, None] * scale[:, :, None] * q - dmin[:, None, None] * mins[:, :, None]
+    assert np.array_equal(values.reshape(-1), quants.dequantize(raw, T.Q4_K, (n * 256,)))
+
+
 @pytest.mark.parametrize("qtype", list(PLANES))
 def test_random_blocks_decode_to_finite_values(qtype):
     elements, _ = quants.block_layout(qtype)

@@ -186,12 +186,16 @@ def quantize_q8(x: Any, q8: Q8) -> None:
     launch("matvec", "quantize_q8", (_blocks(groups, 8),), (256,), (x, *q8.args(), i32(groups)))
 
 
+HEAVY_DECODE = (T.Q5_K, T.Q6_K)  # several loads and shifts a group (quant_blocks.cuh): their own kernel shapes
+
+
 def matvec_shape(m: int, k: int, qtype: T) -> tuple[int, int]:
     """(warps per row set, rows per set) for an (m, k) product, from timings on an H200 (bench/gpu_kernels.py,
-    bench/RESULTS.md): 32-weight block types gain from two rows sharing the loads of x and from two warps a row
-    set except on very tall matrices; super-block types decode more per group and do best with one row, split
-    over two warps only for long rows."""
-    if qtype in (T.Q4_K, T.Q5_K, T.Q6_K):
+    bench/RESULTS.md): types that decode a group from one 16-byte load (the 32-weight blocks, and Q4_K as laid
+    out on the GPU) gain from two rows sharing the loads of x and from two warps a row set except on very tall
+    matrices; Q5_K and Q6_K decode more per group and do best with one row, split over two warps only for long
+    rows."""
+    if qtype in HEAVY_DECODE:
         return (2 if k >= 8192 else 1), 1
     return (1 if m >= 65536 else 2), (2 if m >= 3072 else 1)
 
@@ -202,7 +206,7 @@ def glu_shape(m: int, k: int, qtype: T) -> str | tuple[int, int]:
     short blocks finish more evenly, and then quantize_q8."""
     if m * k < 32 * 2**20:
         return "fused"
-    return (1, 2) if qtype in (T.Q4_K, T.Q5_K, T.Q6_K) else (2, 1)
+    return (1, 2) if qtype in HEAVY_DECODE else (2, 1)
 
 
 def _shape_suffix(wpr: int, rows: int) -> str:

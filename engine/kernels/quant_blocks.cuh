@@ -5,7 +5,8 @@
 // Weights arrive "planar" (engine/kernels/gpu_layout.py): the bytes of each GGUF block are split by field into
 // up to four planes so the big planes can be read with aligned 16-byte loads:
 //   Q: the low quant bits, H: the high bits, S: sub-block scales, D: the fp16 block scale(s).
-// Block b of a tensor owns bytes [b * XB, (b + 1) * XB) of plane X. The planes hold exactly the GGUF bytes.
+// Block b of a tensor owns bytes [b * XB, (b + 1) * XB) of plane X. The planes hold the GGUF bytes, with Q4_K's
+// rearranged (see BlockQ4_K).
 //
 // Every decoder yields one group of 32 consecutive weights as 8 words of packed int8 values q (byte e of the
 // group is weight e, little-endian words), with  weight[e] = sc[e / 16] * q[e] + mn.  That form serves an
@@ -154,11 +155,10 @@ struct BlockQ8_0 {
     }
 };
 
-// The 6-bit scale and min of sub-block j of a Q4_K/Q5_K super-block, from its 12 packed scale bytes
-// (bytes 0..3: low 6 bits of scales 0..3 and top 2 bits of scales 4..7; bytes 4..7 the same for the mins;
-// bytes 8..11: low 4 bits of scale 4+i and min 4+i).
-__device__ __forceinline__ void k_scale_min(const u8* s, int j, float& sc, float& mv) {
-    const u32 s0 = ld4(s), s1 = ld4(s + 4), s2 = ld4(s + 8);
+// The 6-bit scale and min of sub-block j of a Q4_K/Q5_K super-block, from its 12 packed scale bytes as three
+// little-endian words (bytes 0..3: low 6 bits of scales 0..3 and top 2 bits of scales 4..7; bytes 4..7 the same
+// for the mins; bytes 8..11: low 4 bits of scale 4+i and min 4+i).
+__device__ __forceinline__ void k_scale_min(u32 s0, u32 s1, u32 s2, int j, float& sc, float& mv) {
     auto byte = [&](int i) -> u32 { return ((i < 4 ? s0 : (i < 8 ? s1 : s2)) >> (8 * (i & 3))) & 0xFFu; };
     u32 a, b;
     if (j < 4) {
@@ -172,21 +172,24 @@ __device__ __forceinline__ void k_scale_min(const u8* s, int j, float& sc, float
     mv = (float)b;
 }
 
-// Q4_K: d, dmin | scales[12] | qs[128]. Sub-block j (32 weights) uses the low nibbles of qs[32 (j/2) ..]
-// when j is even, the high nibbles when odd; value d * sc_j * q - dmin * m_j.
+// Q4_K: d, dmin | scales[12] | qs[128]; value d * sc_j * q - dmin * m_j for sub-block j. In the GGUF, sub-block
+// j has the low (j even) or high (j odd) nibbles of qs[32 (j/2) ..]; on the GPU (gpu_layout.py REARRANGED) it
+// has 16 bytes of its own arranged as Q4_0's, and the S plane holds d, dmin and the scales: two loads a group.
 struct BlockQ4_K {
-    static constexpr int QK = 256, QB = 128, HB = 0, SB = 12, DB = 4;
+    static constexpr int QK = 256, QB = 128, HB = 0, SB = 16, DB = 0;
     __device__ static void group(const Planes& p, long blk, int sub, int (&w)[8], float (&sc)[2], float& mn) {
-        u32 v[8];
-        words8(p.q + blk * QB + 32 * (sub >> 1), v);
-        const int shift = (sub & 1) * 4;
+        const uint4 a = ld16(p.q + blk * QB + 16 * sub);
+        const u32 v[4] = {a.x, a.y, a.z, a.w};
 #pragma unroll
-        for (int t = 0; t < 8; ++t) w[t] = (v[t] >> shift) & 0x0F0F0F0Fu;
+        for (int t = 0; t < 4; ++t) {
+            w[t] = v[t] & 0x0F0F0F0Fu;
+            w[t + 4] = (v[t] >> 4) & 0x0F0F0F0Fu;
+        }
+        const uint4 ds = ld16(p.s + blk * SB);
         float s, m;
-        k_scale_min(p.s + blk * SB, sub, s, m);
-        const u32 dm = ld4(p.d + blk * DB);
-        sc[0] = sc[1] = h2f((u16)(dm & 0xFFFF)) * s;
-        mn = -h2f((u16)(dm >> 16)) * m;
+        k_scale_min(ds.y, ds.z, ds.w, sub, s, m);
+        sc[0] = sc[1] = h2f((u16)(ds.x & 0xFFFF)) * s;
+        mn = -h2f((u16)(ds.x >> 16)) * m;
     }
 };
 
@@ -201,7 +204,8 @@ struct BlockQ5_K {
 #pragma unroll
         for (int t = 0; t < 8; ++t) w[t] = ((v[t] >> shift) & 0x0F0F0F0Fu) | (((hv[t] >> sub) & 0x01010101u) << 4);
         float s, m;
-        k_scale_min(p.s + blk * SB, sub, s, m);
+        const u8* ps = p.s + blk * SB;
+        k_scale_min(ld4(ps), ld4(ps + 4), ld4(ps + 8), sub, s, m);
         const u32 dm = ld4(p.d + blk * DB);
         sc[0] = sc[1] = h2f((u16)(dm & 0xFFFF)) * s;
         mn = -h2f((u16)(dm >> 16)) * m;
