@@ -116,6 +116,9 @@ class Backend(Protocol):
     """The operations an architecture module may call. See the module docstring for conventions."""
 
     name: str  # "numpy" or "cupy"
+    # True when ops only queue work on a device that runs apart from the host (generation then queues the next
+    # decode step before reading the token it feeds); False when each op is done when it returns.
+    asynchronous: bool
 
     # ---- memory -------------------------------------------------------------------------------------
 

@@ -66,6 +66,7 @@ class CupyBackend:
     """Implements engine.backend.Backend on an NVIDIA GPU."""
 
     name = "cupy"
+    asynchronous = True
 
     def __init__(self) -> None:
         self.stream = cupy.cuda.Stream(non_blocking=True)

@@ -35,6 +35,7 @@ class NumpyBackend:
     """Implements engine.backend.Backend on the CPU."""
 
     name = "numpy"
+    asynchronous = False
     # float32 keeps the cache exact with respect to the float32 activations; the CPU path is for small models.
     kv_dtype = np.dtype(np.float32)
 

@@ -98,21 +98,30 @@ def decode_one_token(state: ModelState, token: int):
 
 def sampled_tokens(state: ModelState, sampler: Sampler, logits, limit: int) -> Iterator[int]:
     """Up to `limit` tokens: the first picked from `logits`, each later one from the decode step that feeds the one
-    before, as long as the context has room. The step feeding token t is queued before t is read back, so with a
-    sampler that leaves the pick on the device (no repeat penalty) the caller's work on t, such as detokenizing and
-    looking for stop strings, overlaps the device's step. t is in state.cached once that step is queued: a caller
-    that stops after t has its KV entry all the same."""
+    before, as long as the context has room. On an asynchronous backend the step feeding token t is queued before
+    t is read back, so with a sampler that leaves the pick on the device (no repeat penalty) the caller's work on
+    t, such as detokenizing and looking for stop strings, overlaps the device's step; t is in state.cached once
+    that step is queued, so a caller that stops after t has its KV entry all the same. A synchronous backend runs
+    a step only when the caller asks for the token after t: nothing is computed ahead in vain."""
     ws, cached = state.workspace, state.cached
+    ahead = state.backend.asynchronous
     pending = sampler.feed(logits, ws.ids, len(cached))
     for n in range(limit):
-        if n + 1 == limit or len(cached) >= cached.capacity:
-            yield pending()
-            return
-        state.decode_step()
-        following = sampler.feed(ws.logits[0], ws.ids, len(cached) + 1)
+        more = n + 1 < limit and len(cached) < cached.capacity
+        queued = more and ahead
+        if queued:
+            state.decode_step()
+            following = sampler.feed(ws.logits[0], ws.ids, len(cached) + 1)
         token = pending()
-        cached.append([token])
+        if queued:
+            cached.append([token])
         yield token
+        if not more:
+            return
+        if not queued:
+            state.decode_step()
+            cached.append([token])
+            following = sampler.feed(ws.logits[0], ws.ids, len(cached))
         pending = following
 
 

@@ -103,11 +103,13 @@ def test_bad_settings_are_explained(params, fragment):
 
 
 class _RecordingBackend(NumpyBackend):
-    """A NumPy backend that logs when a pick is queued and when it is read back."""
+    """A NumPy backend that logs when a pick is queued and when it is read back; `asynchronous` makes it stand
+    in for a GPU backend."""
 
-    def __init__(self, log: list[str]):
+    def __init__(self, log: list[str], asynchronous: bool):
         super().__init__()
         self.log = log
+        self.asynchronous = asynchronous
 
     def sample_feed(self, logits, params, uniform, ids, position):
         result = super().sample_feed(logits, params, uniform, ids, position)
@@ -139,7 +141,7 @@ def _toy_state(backend, capacity: int, log: list[str]):
 
 def test_sampled_tokens_queue_each_step_before_reading_the_token_it_feeds():
     log: list[str] = []
-    backend = _RecordingBackend(log)
+    backend = _RecordingBackend(log, asynchronous=True)
     state, ws = _toy_state(backend, capacity=100, log=log)
     state.cached.append([7, 8, 9])
     first = np.zeros(50, np.float32)
@@ -151,9 +153,23 @@ def test_sampled_tokens_queue_each_step_before_reading_the_token_it_feeds():
     assert state.cached.tokens == [7, 8, 9, 10, 11, 12]  # every fed token; the last one was never fed
 
 
+def test_sampled_tokens_on_a_synchronous_backend_compute_nothing_ahead():
+    log: list[str] = []
+    backend = _RecordingBackend(log, asynchronous=False)
+    state, _ = _toy_state(backend, capacity=100, log=log)
+    state.cached.append([7, 8, 9])
+    first = np.zeros(50, np.float32)
+    first[10] = 1.0
+    tokens = sampled_tokens(state, Sampler(backend, SamplingParams(temperature=0)), first, limit=4)
+    assert [next(tokens), next(tokens)] == [10, 11]
+    tokens.close()  # the caller stops after token 11: no step was run for it
+    assert log == ["pick0", "read0", "step@3", "pick1", "read1"]
+    assert state.cached.tokens == [7, 8, 9, 10]
+
+
 def test_sampled_tokens_stop_at_the_end_of_the_context_and_penalty_picks_in_order():
     log: list[str] = []
-    backend = _RecordingBackend(log)
+    backend = _RecordingBackend(log, asynchronous=True)
     state, _ = _toy_state(backend, capacity=5, log=log)
     state.cached.append([1, 2])
     first = np.zeros(50, np.float32)
