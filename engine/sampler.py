@@ -4,7 +4,7 @@ backend's `sample` op (NumPy reference in engine/kernels/reference.py), so a GPU
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -33,7 +33,7 @@ class Sampler:
     """Picks tokens with fixed settings; the same seed gives the same choices. Keeps the recent tokens the repeat
     penalty looks at: those of `history` (the prompt), then each token it picks."""
 
-    def __init__(self, backend: Backend, params: SamplingParams, seed: int | None = None, history: list[int] = ()):
+    def __init__(self, backend: Backend, params: SamplingParams, seed: int | None = None, history: Sequence[int] = ()):
         check_sampling(params)
         self._backend = backend
         self.params = params
