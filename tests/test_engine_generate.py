@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 
 from engine import Cancelled, EngineError, GenerationSettings, load_model
-from engine.generate import StopStringFilter
+from engine.generate import StopStringFilter, decode_one_token, prefill
+from engine.kernels import reference
+from engine.sampler import REPEAT_PENALTY_WINDOW
 
 pytestmark = pytest.mark.slow  # loads the real model
 
@@ -141,3 +143,23 @@ def test_load_progress_cancel_and_close(smollm2_gguf):
     assert loaded.memory_in_use() == {"host_bytes": 0, "device_bytes": 0}
     with pytest.raises(EngineError, match="closed"):
         loaded.complete("hi", GREEDY)
+
+
+def test_repeat_penalty_generation_matches_a_step_by_step_loop(model):
+    """With a repeat penalty each pick needs the history on the host (Sampler.feed picks at once); the tokens must
+    be those of a plain loop over prefill, decode_one_token and the reference sampler with the same window."""
+    settings = GenerationSettings(temperature=0, repeat_penalty=1.5, max_tokens=10, ignore_eos=True)
+    prompt = "one two one two one two one two"
+    ids = model.tokenizer.encode(prompt)
+    result = model.complete(prompt, settings)
+    model.prompt_logits([0, 0], all_positions=True)  # nothing of that prompt left to reuse
+    state = model._state
+    logits, _ = prefill(state, ids)
+    history = list(ids)
+    for _ in range(settings.max_tokens):
+        recent = np.asarray(history[-REPEAT_PENALTY_WINDOW:], np.int32)
+        history.append(reference.sample(logits, settings.sampling(), recent, 0.0))
+        logits = decode_one_token(state, history[-1])
+    assert result.text == model.tokenizer.decode(history[len(ids):])
+    plain = model.complete(prompt, GenerationSettings(temperature=0, max_tokens=10, ignore_eos=True))
+    assert plain.text != result.text, "the penalty should change this repetitive continuation"
