@@ -28,6 +28,7 @@ from engine.kernels.gpu_layout import supported
 MIN_COMPUTE_CAPABILITY = (7, 5)
 DEQUANT_SCRATCH_ELEMENTS = 64 * 2**20  # fp16 scratch for one weight (or a row slice of a larger one): 128 MB
 TOPK_MAX = 1024  # top-k above this (or top_k = 0) sorts the whole vocabulary instead
+NO_TOKENS = np.zeros(0, np.int32)
 ID_SLOTS = 4  # sample_feed's pinned slots; two would do for one step queued ahead
 ACTIVATIONS = {"silu": K.ACT_SILU, "gelu_tanh": K.ACT_GELU_TANH}
 
@@ -355,15 +356,16 @@ class CupyBackend:
               feed: tuple[Any, int] | None = None) -> None:
         """Queue the sampling kernels; the id lands in chosen (device or pinned host int32), and in feed (K.argmax)."""
         vocab = logits.size
-        work = self._buffer("sample_logits", vocab, cupy.float32)
         if params.repeat_penalty != 1.0 and len(recent_tokens):
             ids = np.unique(np.asarray(recent_tokens, np.int32))
             dev_ids = self._buffer("sample_recent", ids.size, cupy.int32)
             dev_ids.set(ids, stream=self.stream)
+            work = self._buffer("sample_logits", vocab, cupy.float32)
             K.repeat_penalty(logits, work, dev_ids, ids.size, params.repeat_penalty)
         elif params.temperature <= 0:  # argmax only reads: no copy
             work = logits
         else:
+            work = self._buffer("sample_logits", vocab, cupy.float32)
             cupy.copyto(work, logits)  # top-k consumes its input
         if params.temperature <= 0:
             if "argmax" not in self._scratch:
@@ -399,7 +401,7 @@ class CupyBackend:
             self._id_slots = (cupyx.empty_pinned((ID_SLOTS,), np.int32), events)
         host, events = self._id_slots
         slot = self._id_next = (self._id_next + 1) % ID_SLOTS
-        self._pick(logits, params, np.zeros(0, np.int32), uniform, np.uintp(host[slot:].ctypes.data), (ids, position))
+        self._pick(logits, params, NO_TOKENS, uniform, np.uintp(host[slot:].ctypes.data), (ids, position))
         events[slot].record(self.stream)
 
         def result() -> int:
