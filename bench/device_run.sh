@@ -1,5 +1,5 @@
 # One device call: install the carried wheels, run the GPU tests, then the speed benchmarks.
-# Usage (on the GPU machine, repo root): bash bench/device_run.sh [tests] [kernels] [shapes] [synthetic] [profile] [smol]
+# Usage (on the GPU machine, repo root): bash bench/device_run.sh [tests] [kernels] [shapes] [prompt] [synthetic] [profile] [smol]
 #                                        [archs] [memory] [issue5]
 # The GPU machine has no network: .whl/ holds the wheels it lacks (gguf; pydantic and its dependencies, which
 # tests/conftest.py's catalog lookup imports; `pip download` them for Python 3.12), and the SmolLM2 GGUF
@@ -18,6 +18,7 @@ for part in "$@"; do
     tests) python3 -m pytest -q -p no:cacheprovider --tb=short -rf tests/test_gpu_layout.py tests/test_gpu_kernels.py tests/test_gpu_backend.py 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
     kernels) python3 bench/gpu_kernels.py matvec 2>&1 | tee "$OUT/kernels.jsonl" ;;
     shapes) python3 bench/gpu_kernels.py matvec_shapes 2>&1 | tee "$OUT/shapes.jsonl" ;;
+    prompt) python3 bench/gpu_kernels.py prompt 2>&1 | tee "$OUT/prompt.jsonl" ;;
     synthetic)
       for spec in ${SYNTHETIC:-1.2b:Q4_0 8b:Q4_0 8b:Q4_K}; do
         f=/tmp/strata/synthetic-${spec/:/-}.gguf

@@ -1,5 +1,6 @@
 """Times the hot GPU kernels on their own (an H200 is what it was written for): the decode matrix-vector
-product per weight type (plain and programmatic launches) and the prompt path's dequantize + cuBLAS product.
+product per weight type (plain and programmatic launches) and the prompt path's two ways to multiply a chunk
+(our kernel on dequantized tiles, and dequantize + cuBLAS).
 
 Prints one JSON line per measurement. Decode launches are captured in a CUDA graph and replayed, rotating over
 enough weight copies that they do not fit in L2, so the time is the kernel's, not Python's or the cache's.
@@ -116,22 +117,51 @@ def bench_matvec(rng, every_shape: bool = False):
                                   "fraction_of_4.3TB/s": round(read / t / BANDWIDTH, 3)}), flush=True)
 
 
+PROMPT_SHAPES = {"135M qkv": (960, 576), "135M o": (576, 576), "135M ffn_gate+up": (1536, 576),
+                 "135M ffn_down": (576, 1536), "1.2B qkv": (3072, 2048), "1.2B o": (2048, 2048),
+                 "1.2B ffn_gate+up": (8192, 2048), "1.2B ffn_down": (2048, 8192), "8B qkv": (6144, 4096),
+                 "8B o": (4096, 4096), "8B ffn_gate+up": (14336, 4096), "8B ffn_down": (4096, 14336)}
+
+
 def bench_prompt(rng):
+    """Each prompt-chunk product of the three Llama shapes both ways, launched as the prompt path launches them
+    (eager, timed by events, so on small products the host's launches are part of the time): matmul.cu's one
+    kernel on dequantized tiles (gate and up together, with the activation), and to_f16 + dequantize to scratch
+    + cuBLAS per matrix (then the activation)."""
     for qtype in (T.Q4_0, T.Q4_K):
-        for label, (m, k) in {"8B ffn_gate": (14336, 4096), "8B ffn_down": (4096, 14336), "1.2B ffn": (8192, 2048)}.items():
-            ws, _ = weight_copies(qtype, m, k, rng)
-            w = ws[0]
+        for label, (m, k) in PROMPT_SHAPES.items():
+            glu = "gate" in label
+            elements, _ = quants.block_layout(qtype)
+            ws = [K.upload_weight("w", qtype, (m, k), random_blocks(qtype, m * k // elements, rng))
+                  for _ in range(2 if glu else 1)]
             scratch = cp.empty((m, k), cp.float16)
-            for n in (128, 512, 2048):
-                xh = cp.asarray(rng.standard_normal((n, k)).astype(np.float16))
-                out = cp.empty((n, m), cp.float32)
-                t_deq = timed_graph(lambda: K.dequant(w, scratch), reps=5)
-                t_mm = timed_eager(lambda: K.gemm_f16(xh, scratch, out))
-                flops = 2.0 * n * m * k
-                print(json.dumps({"kernel": "prompt_linear", "type": qtype.name, "shape": label, "n": n,
-                                  "dequant_us": round(t_deq * 1e6, 1), "gemm_us": round(t_mm * 1e6, 1),
-                                  "gemm_TFLOP/s": round(flops / t_mm / 1e12, 1),
-                                  "total_TFLOP/s": round(flops / (t_mm + t_deq) / 1e12, 1)}), flush=True)
+            for n in (128, 512):
+                x = cp.asarray(rng.standard_normal((n, k)).astype(np.float32))
+                xh = cp.empty((n, k), cp.float16)
+                outs = [cp.empty((n, m), cp.float32) for _ in ws]
+
+                def tiles():
+                    if glu:
+                        K.matmul_glu(ws[0], ws[1], x, outs[0], K.ACT_SILU)
+                    else:
+                        K.matmul(ws[0], x, outs[0])
+
+                def dequant_cublas():
+                    for w, out in zip(ws, outs):
+                        K.to_f16(x, xh)
+                        K.dequant(w, scratch)
+                        K.gemm_f16(xh, scratch, out)
+                    if glu:
+                        K.glu(outs[0], outs[1], outs[0], K.ACT_SILU)
+
+                t_tiles, t_cublas = timed_eager(tiles), timed_eager(dequant_cublas)
+                flops = 2.0 * n * m * k * len(ws)
+                print(json.dumps({"kernel": "prompt_product", "type": qtype.name, "shape": label, "n": n, "m": m,
+                                  "k": k, "tiles_us": round(t_tiles * 1e6, 1),
+                                  "dequant_cublas_us": round(t_cublas * 1e6, 1),
+                                  "tiles_TFLOP/s": round(flops / t_tiles / 1e12, 1),
+                                  "dequant_cublas_TFLOP/s": round(flops / t_cublas / 1e12, 1),
+                                  "default": "tiles" if K.tiled(x, ws[0], outs[0]) else "dequant_cublas"}), flush=True)
 
 
 def bench_copy():

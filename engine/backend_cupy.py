@@ -2,8 +2,9 @@
 CUDA kernels (engine/kernels/*.cu, launched through engine/kernels/cuda.py), and a decode step is captured once
 as a CUDA graph and replayed (`compile_step`).
 
-Decode (one token) multiplies with int8 dot products on the quantized blocks; prompt chunks dequantize each
-weight to an fp16 scratch and multiply on tensor cores through cuBLAS. Everything runs on one non-blocking
+Decode (one token) multiplies with int8 dot products on the quantized blocks. Prompt chunks multiply on tensor
+cores: small products in one kernel of ours that dequantizes weight tiles into shared memory (matmul.cu), large
+ones by dequantizing the weight to an fp16 scratch for cuBLAS. Everything runs on one non-blocking
 stream of the backend's own, whichever thread calls it. engine/model.py imports this module only when it
 looks for a GPU, so CPU machines never need CuPy.
 """
@@ -260,6 +261,9 @@ class CupyBackend:
             out += bias.data
 
     def _prompt_linear(self, x: Any, weight: K.GpuWeight, out: Any) -> None:
+        if K.tiled(x, weight, out):
+            K.matmul(weight, x, out)
+            return
         n, k = x.shape
         m = weight.shape[0]
         xh = self._buffer("x_f16", n * k, cupy.float16).reshape(n, k)
@@ -284,6 +288,10 @@ class CupyBackend:
                 return
             q8 = self._quantized_input(x)
             K.matvec_glu(gate, up, x, q8, out, act, self._quantize_output(out) if out.shape[1] % 32 == 0 else None)
+            return
+        if gate.qtype == up.qtype and K.tiled(x, gate, out):
+            self._q8_of = None
+            K.matmul_glu(gate, up, x, out, act)
             return
         self.linear(x, gate, out)
         self.linear(x, up, scratch)

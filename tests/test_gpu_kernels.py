@@ -157,6 +157,38 @@ def test_prompt_product_dequant_then_cublas(qtype):
     assert np.isnan(wide[:, :32].get()).all() and np.isnan(wide[:, 32 + m :].get()).all()
 
 
+@pytest.mark.parametrize("qtype", QUANT_TYPES, ids=lambda t: t.name)
+def test_prompt_product_on_dequantized_tiles(qtype):
+    rng = np.random.default_rng()
+    elements, _ = quants.block_layout(qtype)
+    n, m, k = 77, 650, (1056 if elements == 32 else 1280)  # no dimension a multiple of its tile (k: 32-weight types)
+    raw, w = random_weight(qtype, m, k, rng)
+    x = rng.standard_normal((n, k)).astype(np.float32)
+    gw = K.upload_weight("w", qtype, (m, k), raw)
+    wide = poisoned((n, m + 64))
+    view = wide[:, 32 : 32 + m]  # a column slice of a wider array, as the QKV views are
+    assert K.tiled(cp.asarray(x), gw, view)
+    K.matmul(gw, cp.asarray(x), view)
+    assert rel(view.get(), x.astype(np.float64) @ w.T.astype(np.float64)) < 1e-2
+    assert np.isnan(wide[:, :32].get()).all() and np.isnan(wide[:, 32 + m :].get()).all()
+
+
+@pytest.mark.parametrize("act", [K.ACT_SILU, K.ACT_GELU_TANH])
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q5_1, T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+def test_prompt_gate_up_on_dequantized_tiles(qtype, act):
+    rng = np.random.default_rng()
+    n, m, k = 70, 330, 512
+    (rg, wg), (ru, wu) = random_weight(qtype, m, k, rng), random_weight(qtype, m, k, rng)
+    x = rng.standard_normal((n, k)).astype(np.float32)
+    gate, up = K.upload_weight("g", qtype, (m, k), rg), K.upload_weight("u", qtype, (m, k), ru)
+    out = poisoned((n, m))
+    K.matmul_glu(gate, up, cp.asarray(x), out, act)
+    g, u = x.astype(np.float64) @ wg.T, x.astype(np.float64) @ wu.T
+    with np.errstate(over="ignore"):
+        a = g / (1 + np.exp(-g)) if act == K.ACT_SILU else 0.5 * g * (1 + np.tanh(0.7978845608028654 * (g + 0.044715 * g**3)))
+    assert rel(out.get(), a * u) < 1e-2
+
+
 def test_glu_elementwise():
     rng = np.random.default_rng()
     g, u = rng.standard_normal((5, 300)).astype(np.float32), rng.standard_normal((5, 300)).astype(np.float32)

@@ -308,6 +308,43 @@ def _row_slice(w: GpuWeight, lo: int, hi: int) -> tuple[Any, ...]:
     return tuple(views.get(p, views["q"]) for p in PLANE_ORDER)
 
 
+MM_TOKENS, MM_ROWS = 64, 64  # matmul.cu's block tile
+TILES_MAX_WEIGHTS = 4 * 2**20  # larger products go to dequantize + cuBLAS (bench/gpu_kernels.py prompt)
+
+
+def tiled(x: Any, w: GpuWeight, out: Any) -> bool:
+    """Whether the prompt-chunk product out = x . w^T runs as matmul.cu's one kernel on dequantized tiles: a
+    quantized weight, a GPU with mma.sync (compute capability 8.0), a product small enough that launches, not
+    arithmetic, bound it (on larger ones cuBLAS's kernels are faster than ours and the dequantization is cheap
+    beside them), and the row alignment of its vector loads and stores."""
+    m, k = w.shape
+    return (w.quantized and m * k <= TILES_MAX_WEIGHTS and m % 2 == 0 and _mma_capable()
+            and x.strides[1] == 4 and x.strides[0] % 16 == 0 and x.data.ptr % 16 == 0
+            and out.strides[1] == 4 and out.strides[0] % 8 == 0 and out.data.ptr % 8 == 0)
+
+
+@functools.cache
+def _mma_capable() -> bool:
+    return int(cupy.cuda.Device().compute_capability) >= 80
+
+
+def matmul(w: GpuWeight, x: Any, out: Any) -> None:
+    """out (n, m) float32 = x (n, k) float32 . w (m, k)^T on tensor cores, w dequantized tile by tile (see tiled)."""
+    n, k = x.shape
+    m = w.shape[0]
+    launch("matmul", f"matmul_{w.suffix}", (_blocks(m, MM_ROWS), _blocks(n, MM_TOKENS)), (128,),
+           (*w.args(), x, i64(x.strides[0] // 4), out, i64(out.strides[0] // 4), i32(n), i32(m), i32(k)))
+
+
+def matmul_glu(gate: GpuWeight, up: GpuWeight, x: Any, out: Any, act: int) -> None:
+    """out (n, f) = act(x . gate^T) * (x . up^T), both products in one kernel (gate and up of one type)."""
+    n, k = x.shape
+    m = gate.shape[0]
+    launch("matmul", f"matmul_glu_{gate.suffix}", (_blocks(m, MM_ROWS // 2), _blocks(n, MM_TOKENS)), (128,),
+           (*gate.args(), *up.args(), x, i64(x.strides[0] // 4), out, i64(out.strides[0] // 4), i32(n), i32(m),
+            i32(k), i32(act)))
+
+
 _ONE, _ZERO = np.array(1.0, np.float32), np.array(0.0, np.float32)
 
 

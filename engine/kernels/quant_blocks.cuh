@@ -74,7 +74,9 @@ __device__ __forceinline__ void words8(const u8* p, u32 (&w)[8]) {
     w[4] = b.x; w[5] = b.y; w[6] = b.z; w[7] = b.w;
 }
 
-// Q4_0: d (fp16) | qs[16]; weight i = low nibble of qs[i], weight i + 16 = high nibble; value d * (q - 8).
+// Q4_0: d (fp16) | qs[16]; weight i = low nibble of qs[i], weight i + 16 = high nibble; value d * (q - 8),
+// yielded as d * q - 8 d: the offset moves into mn (one product with the activations' sum in a dot product)
+// instead of eight byte subtractions a group, which decode-time products on an H200 are short of instructions for.
 struct BlockQ4_0 {
     static constexpr int QK = 32, QB = 16, HB = 0, SB = 0, DB = 2;
     __device__ static void group(const Planes& p, long blk, int, int (&w)[8], float (&sc)[2], float& mn) {
@@ -82,11 +84,11 @@ struct BlockQ4_0 {
         const u32 v[4] = {a.x, a.y, a.z, a.w};
 #pragma unroll
         for (int t = 0; t < 4; ++t) {
-            w[t] = sub_bytes(v[t] & 0x0F0F0F0Fu, 8);
-            w[t + 4] = sub_bytes((v[t] >> 4) & 0x0F0F0F0Fu, 8);
+            w[t] = v[t] & 0x0F0F0F0Fu;
+            w[t + 4] = (v[t] >> 4) & 0x0F0F0F0Fu;
         }
         sc[0] = sc[1] = h2f(ld2(p.d + blk * DB));
-        mn = 0.0f;
+        mn = -8.0f * sc[0];
     }
 };
 
@@ -107,7 +109,7 @@ struct BlockQ4_1 {
     }
 };
 
-// Q5_0: d | qh (32 bits, bit j = fifth bit of weight j) | qs[16]; value d * (q - 16).
+// Q5_0: d | qh (32 bits, bit j = fifth bit of weight j) | qs[16]; value d * (q - 16) = d * q - 16 d (as Q4_0).
 struct BlockQ5_0 {
     static constexpr int QK = 32, QB = 16, HB = 4, SB = 0, DB = 2;
     __device__ static void group(const Planes& p, long blk, int, int (&w)[8], float (&sc)[2], float& mn) {
@@ -116,11 +118,11 @@ struct BlockQ5_0 {
         const u32 qh = ld4(p.h + blk * HB);
 #pragma unroll
         for (int t = 0; t < 4; ++t) {
-            w[t] = sub_bytes((v[t] & 0x0F0F0F0Fu) | spread4_to_bit4(qh >> (4 * t)), 16);
-            w[t + 4] = sub_bytes(((v[t] >> 4) & 0x0F0F0F0Fu) | spread4_to_bit4(qh >> (16 + 4 * t)), 16);
+            w[t] = (v[t] & 0x0F0F0F0Fu) | spread4_to_bit4(qh >> (4 * t));
+            w[t + 4] = ((v[t] >> 4) & 0x0F0F0F0Fu) | spread4_to_bit4(qh >> (16 + 4 * t));
         }
         sc[0] = sc[1] = h2f(ld2(p.d + blk * DB));
-        mn = 0.0f;
+        mn = -16.0f * sc[0];
     }
 };
 

@@ -1,0 +1,154 @@
+// Prompt-chunk products on tensor cores, straight from the quantized planes: each block dequantizes a tile of
+// weight rows to fp16 in shared memory, converts the matching tile of float32 activations to fp16, and
+// multiplies them with mma.sync (fp32 accumulation). One launch per product, where the other prompt path
+// (dequantize to a scratch matrix, then cuBLAS) takes three: on small models the prompt is bound by launches.
+//
+// out (n, m) float32 = x (n, k) . W (m, k)^T. A block covers MM_TOKENS tokens and MM_ROWS rows of shared memory
+// tile; four warps each compute 32 tokens x 32 tile rows. The gate/up variant loads 16 gate rows, then the same
+// 16 up rows, in each warp's 32 tile rows, so one thread holds gate and up of the same output and applies the
+// activation before storing: a block there covers MM_ROWS / 2 outputs.
+
+constexpr int MM_TOKENS = 64, MM_ROWS = 64, MM_K = 64;
+constexpr int MM_LD = MM_K + 8;  // padded row (144 bytes): ldmatrix's eight row addresses hit distinct banks
+
+__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], const u16* p) {
+    const u32 a = (u32)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+
+__device__ __forceinline__ void mma_16816(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+    __trap();  // cuda.py sends older GPUs to the cuBLAS path
+#endif
+}
+
+__device__ __forceinline__ u32 pack_h2(float a, float b) { return (u32)f2h(a) | ((u32)f2h(b) << 16); }
+
+// Tile row j (0..MM_ROWS-1) of block bx: which matrix (0 = W or gate, 1 = up) and which of its rows.
+template <bool GLU>
+__device__ __forceinline__ int tile_row(int bx, int j, int& which) {
+    if (!GLU) {
+        which = 0;
+        return bx * MM_ROWS + j;
+    }
+    which = (j >> 4) & 1;
+    return bx * (MM_ROWS / 2) + (j >> 5) * 16 + (j & 15);
+}
+
+// One K step's tiles into shared memory: 128 threads each dequantize one group of 32 weights (tile row t / 2,
+// group t % 2 of the step) and convert 32 activations (eight float4 loads, two rows of 256 bytes a warp load).
+template <class B, bool GLU>
+__device__ __forceinline__ void load_tiles(const Planes& p0, const Planes& p1, const float* __restrict__ x, long ldx,
+                                           int n, int m, int k, int kt, u16 (*ws)[MM_LD], u16 (*xs)[MM_LD]) {
+    const int t = threadIdx.x;
+    const int j = t >> 1, half = t & 1;
+    const int g = kt * (MM_K / 32) + half;
+    int which;
+    const int row = tile_row<GLU>(blockIdx.x, j, which);
+    uint4* dst = reinterpret_cast<uint4*>(&ws[j][32 * half]);
+    if (row < m && g < k / 32) {
+        int q[8];
+        float sc[2], mn;
+        // Field by field: a selected struct would go through local memory.
+        const Planes p{which ? p1.q : p0.q, which ? p1.h : p0.h, which ? p1.s : p0.s, which ? p1.d : p0.d};
+        decode_group<B>(p, row, k, g, q, sc, mn);
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            u32 u[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int i = 8 * c + 2 * e;
+                const float lo = sc[i / 16] * (float)(signed char)((q[i / 4] >> (8 * (i % 4))) & 0xFF) + mn;
+                const float hi = sc[i / 16] * (float)(signed char)((q[i / 4] >> (8 * (i % 4 + 1))) & 0xFF) + mn;
+                u[e] = pack_h2(lo, hi);
+            }
+            dst[c] = make_uint4(u[0], u[1], u[2], u[3]);
+        }
+    } else {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) dst[c] = make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int i = 0; i < MM_TOKENS * MM_K / 4 / 128; ++i) {
+        const int f = i * 128 + t;
+        const int tok = f / (MM_K / 4), col = 4 * (f % (MM_K / 4));
+        const int token = blockIdx.y * MM_TOKENS + tok, kk = kt * MM_K + col;
+        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (token < n && kk < k) v = __ldg(reinterpret_cast<const float4*>(x + token * ldx + kk));
+        *reinterpret_cast<uint2*>(&xs[tok][col]) = make_uint2(pack_h2(v.x, v.y), pack_h2(v.z, v.w));
+    }
+}
+
+template <class B, bool GLU>
+__device__ __forceinline__ void matmul_q(const Planes& p0, const Planes& p1, const float* __restrict__ x, long ldx,
+                                         float* __restrict__ out, long ldo, int n, int m, int k, int act) {
+    __shared__ __align__(16) u16 ws[2][MM_ROWS][MM_LD];
+    __shared__ __align__(16) u16 xs[2][MM_TOKENS][MM_LD];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int wm = warp >> 1, wn = warp & 1;  // this warp's 32 tokens and 32 tile rows
+    float acc[2][4][4] = {};
+    const int steps = (k + MM_K - 1) / MM_K;
+    for (int kt = 0; kt < steps; ++kt) {
+        // Two buffers, one barrier a step: a warp writing buffer b has passed step kt - 1's barrier, which every
+        // warp reaches only after its products on b in step kt - 2.
+        const int b = kt & 1;
+        load_tiles<B, GLU>(p0, p1, x, ldx, n, m, k, kt, ws[b], xs[b]);
+        __syncthreads();
+#pragma unroll
+        for (int ks = 0; ks < MM_K / 16; ++ks) {
+            u32 a[2][4], w[2][4];
+#pragma unroll
+            for (int mi = 0; mi < 2; ++mi)
+                ldmatrix_x4(a[mi], &xs[b][wm * 32 + mi * 16 + (lane & 15)][ks * 16 + (lane >> 4) * 8]);
+#pragma unroll
+            for (int nj = 0; nj < 2; ++nj)
+                ldmatrix_x4(w[nj], &ws[b][wn * 32 + nj * 16 + (lane & 7) + (lane >> 4) * 8][ks * 16 + ((lane >> 3) & 1) * 8]);
+#pragma unroll
+            for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+                for (int nb = 0; nb < 4; ++nb) mma_16816(acc[mi][nb], a[mi], w[nb >> 1][2 * (nb & 1)], w[nb >> 1][2 * (nb & 1) + 1]);
+        }
+    }
+    // acc[mi][nb] = {(token r, tile row c), (r, c + 1), (r + 8, c), (r + 8, c + 1)}, r = lane / 4, c = 2 (lane % 4).
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int token = blockIdx.y * MM_TOKENS + wm * 32 + mi * 16 + (lane >> 2) + 8 * h;
+            if (token >= n) continue;
+#pragma unroll
+            for (int nb = 0; nb < (GLU ? 2 : 4); ++nb) {
+                int which;
+                const int row = tile_row<GLU>(blockIdx.x, wn * 32 + nb * 8 + 2 * (lane & 3), which);
+                if (row >= m) continue;
+                float2 v = make_float2(acc[mi][nb][2 * h], acc[mi][nb][2 * h + 1]);
+                if (GLU) {
+                    v.x = activate(v.x, act) * acc[mi][nb + 2][2 * h];
+                    v.y = activate(v.y, act) * acc[mi][nb + 2][2 * h + 1];
+                }
+                *reinterpret_cast<float2*>(out + token * ldo + row) = v;
+            }
+        }
+}
+
+#define MATMUL_Q(name, B)                                                                                          \
+    extern "C" __global__ void __launch_bounds__(128) matmul_##name(                                               \
+        const u8* q, const u8* h, const u8* s, const u8* d, const float* x, long ldx, float* out, long ldo, int n, \
+        int m, int k) {                                                                                            \
+        grid_dependency_sync();                                                                                    \
+        const Planes p{q, h, s, d};                                                                                \
+        matmul_q<B, false>(p, p, x, ldx, out, ldo, n, m, k, 0);                                                    \
+    }                                                                                                              \
+    extern "C" __global__ void __launch_bounds__(128) matmul_glu_##name(                                           \
+        const u8* gq, const u8* gh, const u8* gs, const u8* gd, const u8* uq, const u8* uh, const u8* us,           \
+        const u8* ud, const float* x, long ldx, float* out, long ldo, int n, int m, int k, int act) {              \
+        grid_dependency_sync();                                                                                    \
+        matmul_q<B, true>(Planes{gq, gh, gs, gd}, Planes{uq, uh, us, ud}, x, ldx, out, ldo, n, m, k, act);         \
+    }
+FOR_EACH_QUANT(MATMUL_Q)
