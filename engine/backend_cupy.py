@@ -345,12 +345,30 @@ class CupyBackend:
         K.rope_store_kv(q, k, v, rope.cos, rope.sin, style == ROPE_NEOX, cache.k[layer], cache.v[layer], start)
 
     @_on_stream
+    def linear_rope_kv(self, x, weight: K.GpuWeight, out, q, k, v, rope: RopeTable, style: str, cache: KVCache,
+                       layer: int, start) -> None:
+        if x.shape[0] > 1 or style != ROPE_NORMAL or not weight.quantized or weight.qtype in K.HEAVY_DECODE:
+            self.linear(x, weight, out)
+            self.rope_store_kv(q, k, v, rope, style, cache, layer, start)
+            return
+        n_heads, hd = q.shape[1:]
+        K.matvec_rope_kv(weight, self._quantized_input(x), out, rope.cos, rope.sin, cache.k[layer], cache.v[layer],
+                         start, n_heads * hd, k.shape[1] * hd, hd)
+        self._q8_of = None
+
+    @_on_stream
     def attention(self, q, cache: KVCache, layer: int, start, out, scale: float, window: int = 0) -> None:
         n, n_heads, hd = q.shape
         z, wpq = K.attention_splits(n)
         size = n * n_heads * z * wpq * (hd + 2)  # partial results of the key-range splits
-        part = self._decode_buffer("attn_part", size, cupy.float32) if n == 1 else self._buffer("attn_part", size, cupy.float32)
-        K.attention(q, cache.k[layer], cache.v[layer], start, out, scale, window, part, self._quantize_output(out) if n == 1 else None)
+        if n == 1:
+            K.attention(q, cache.k[layer], cache.v[layer], start, out, scale, window,
+                        self._decode_buffer("attn_part", size, cupy.float32), self._quantize_output(out),
+                        self._decode_counters("attn_done", n_heads))
+        else:
+            self._q8_of = None
+            K.attention(q, cache.k[layer], cache.v[layer], start, out, scale, window,
+                        self._buffer("attn_part", size, cupy.float32))
 
     def _decode_buffer(self, key: str, size: int, dtype: Any) -> Any:
         """Scratch a decode step uses: allocated on the step's first (uncaptured) run and never regrown after it,
@@ -359,6 +377,12 @@ class CupyBackend:
         if buf is None or buf.size < size:
             buf = self._decode_scratch[key] = cupy.empty(size, dtype)
         return buf[:size]
+
+    def _decode_counters(self, key: str, n: int) -> Any:
+        """Completion counters of a decode kernel (K.counters): zeroed once, before any graph captures them."""
+        if key not in self._decode_scratch or self._decode_scratch[key].size < n:
+            self._decode_scratch[key] = K.counters(n)
+        return self._decode_scratch[key][:n]
 
     def _pick(self, logits: Any, params: SamplingParams, recent_tokens: np.ndarray, uniform: float, chosen: Any,
               feed: tuple[Any, int] | None = None) -> None:

@@ -2,12 +2,41 @@
 //
 // attention_partial: each warp one (query, head, split) item; a decode query spreads its keys over 32 warps of 8
 // blocks, a prompt chunk's queries take one warp each (four consecutive queries of a head per block share their
-// K/V rows through L1). attention_combine then merges the splits, normalizes, and for decode also quantizes the
-// output for the output projection. In a decode graph the combine is launched programmatically (cuda.py), so
-// its launch overlaps the partial kernel.
+// K/V rows through L1). The splits are then merged and normalized: for decode by the head's last block to finish,
+// which also quantizes the output for the output projection; for a prompt chunk by attention_combine.
 //
 // Key ranges come from start[0] in device memory, so one captured graph serves every position; splits past
 // the range are empty and leave max = -inf, sum = 0.
+
+#define MAX_SPLITS 64
+
+// Merge the n_splits partial results p of one (query, head): out[d] = sum_s acc_s[d] 2^(m_s - M) / sum_s l_s
+// 2^(m_s - M), the block's threads over the dims (a whole warp per 32 of them). With xq each warp also quantizes
+// its 32 outputs (groups first_group ..) for the output projection. Reads through L2 (__ldcg): in the fused
+// decode form other blocks wrote p during this kernel.
+__device__ __forceinline__ void combine_splits(const float* p, int n_splits, int hd, float* out, signed char* xq,
+                                               signed char* xq2, float2* xds, long first_group) {
+    __shared__ float sm[MAX_SPLITS], sl[MAX_SPLITS];
+    for (int s = threadIdx.x; s < n_splits; s += blockDim.x) {
+        sm[s] = __ldcg(p + s * (hd + 2) + hd);
+        sl[s] = __ldcg(p + s * (hd + 2) + hd + 1);
+    }
+    __syncthreads();
+    float mx = NEG_INF;
+    for (int s = 0; s < n_splits; ++s) mx = fmaxf(mx, sm[s]);
+    for (int d0 = 0; d0 + (int)(threadIdx.x & ~31u) < hd; d0 += blockDim.x) {  // whole warps
+        const int d = d0 + threadIdx.x;
+        float num = 0.0f, den = 0.0f;
+#pragma unroll 32  // a decode query's 32 splits: every load issued before the first is used
+        for (int s = 0; s < n_splits; ++s) {
+            const float f = exp2f(sm[s] - mx);  // 0 for an empty split (max -inf, sum 0, output 0)
+            den += sl[s] * f;
+            num += __ldcg(p + s * (hd + 2) + d) * f;
+        }
+        out[d] = num / den;
+        if (xq != nullptr) quantize_group(num / den, first_group + d / 32, xq, xq2, xds);
+    }
+}
 
 // One warp's share of attention for one query: keys lo..hi-1, 32 at a time (lane j scores key j, then every
 // lane accumulates the weighted values of its own dims), online softmax in base 2. qs: the query times
@@ -84,7 +113,8 @@ __device__ __forceinline__ void attention_partial_impl(const float* __restrict__
                                                        const u16* __restrict__ v_cache, int max_tokens,
                                                        int n_heads, int n_kv, const int* __restrict__ start, int n,
                                                        int window, float scale_log2, int wpq,
-                                                       float* __restrict__ part) {
+                                                       float* __restrict__ part, u32* done, float* out,
+                                                       signed char* xq, signed char* xq2, float2* xds) {
     __shared__ float qs[4][HD];
     const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
     const int head = blockIdx.x;
@@ -119,53 +149,47 @@ __device__ __forceinline__ void attention_partial_impl(const float* __restrict__
     __syncwarp();
     float acc[HD / 32], m, l;
     warp_attend<HD>(qs[warp], kbase, vbase, lo, hi, acc, m, l);
-    float* out = part + (((long)qi * n_heads + head) * n_splits + split) * (HD + 2);
+    float* mine = part + (((long)qi * n_heads + head) * n_splits + split) * (HD + 2);
 #pragma unroll
     for (int c = 0; c < HD / 64; ++c)
-        reinterpret_cast<float2*>(out + 64 * c)[lane] = make_float2(acc[2 * c], acc[2 * c + 1]);
+        reinterpret_cast<float2*>(mine + 64 * c)[lane] = make_float2(acc[2 * c], acc[2 * c + 1]);
     if (lane == 0) {
-        out[HD] = m;
-        out[HD + 1] = l;
+        mine[HD] = m;
+        mine[HD + 1] = l;
     }
+    if (done == nullptr) return;
+    // Decode: the last of the head's blocks to finish (counted in done[head], which it leaves at zero) merges the
+    // splits, which saves the combine kernel's launch.
+    __shared__ bool last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        last = atomicAdd(done + head, 1u) == gridDim.z - 1;
+        if (last) done[head] = 0;
+    }
+    __syncthreads();
+    if (last)
+        combine_splits(part + (long)head * n_splits * (HD + 2), n_splits, HD, out + (long)head * HD, xq, xq2, xds,
+                       (long)head * HD / 32);
 }
 
 #define ATTENTION_PARTIAL(HD)                                                                                  \
     extern "C" __global__ void attention_partial_##HD(                                                        \
         const float* q, long q_stride, const u16* k_cache, const u16* v_cache, int max_tokens, int n_heads,  \
-        int n_kv, const int* start, int n, int window, float scale_log2, int wpq, float* part) {             \
+        int n_kv, const int* start, int n, int window, float scale_log2, int wpq, float* part, u32* done,    \
+        float* out, signed char* xq, signed char* xq2, float2* xds) {                                         \
         attention_partial_impl<HD>(q, q_stride, k_cache, v_cache, max_tokens, n_heads, n_kv, start, n, window, \
-                                   scale_log2, wpq, part);                                                     \
+                                   scale_log2, wpq, part, done, out, xq, xq2, xds);                            \
     }
 ATTENTION_PARTIAL(64)
 ATTENTION_PARTIAL(128)
 ATTENTION_PARTIAL(256)
 
-#define MAX_SPLITS 64
-
-// One block per (query, head), one thread per dim: out = sum_s acc_s 2^(m_s - M) / sum_s l_s 2^(m_s - M).
-// For decode (one query, hd a multiple of 32) each warp also quantizes its 32 outputs for the output
-// projection (xq != nullptr), which saves a launch.
+// One block per (query, head), one thread per dim (prompt chunks: a query's splits are its warps).
 extern "C" __global__ void attention_combine(const float* __restrict__ part, int n_heads, int hd, int n_splits,
-                                             float* __restrict__ out, long out_stride, signed char* xq,
-                                             signed char* xq2, float2* xds) {
+                                             float* __restrict__ out, long out_stride) {
     grid_dependency_sync();
-    __shared__ float sm[MAX_SPLITS], sl[MAX_SPLITS];
-    const int qi = blockIdx.x, head = blockIdx.y, d = threadIdx.x;
-    const float* p = part + ((long)qi * n_heads + head) * n_splits * (hd + 2);
-    for (int s = d; s < n_splits; s += blockDim.x) {
-        sm[s] = p[s * (hd + 2) + hd];
-        sl[s] = p[s * (hd + 2) + hd + 1];
-    }
-    __syncthreads();
-    float mx = NEG_INF;
-    for (int s = 0; s < n_splits; ++s) mx = fmaxf(mx, sm[s]);
-    float num = 0.0f, den = 0.0f;
-#pragma unroll 32  // a decode query's 32 splits: every load issued before the first is used
-    for (int s = 0; s < n_splits; ++s) {
-        const float f = exp2f(sm[s] - mx);  // 0 for an empty split (max -inf, sum 0, output 0)
-        den += sl[s] * f;
-        if (d < hd) num += p[s * (hd + 2) + d] * f;
-    }
-    if (d < hd) out[qi * out_stride + (long)head * hd + d] = num / den;
-    if (xq != nullptr) quantize_group(num / den, (long)head * hd / 32 + threadIdx.x / 32, xq, xq2, xds);
+    const int qi = blockIdx.x, head = blockIdx.y;
+    combine_splits(part + ((long)qi * n_heads + head) * n_splits * (hd + 2), n_splits, hd,
+                   out + qi * out_stride + (long)head * hd, nullptr, nullptr, nullptr, 0);
 }

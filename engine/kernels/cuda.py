@@ -249,6 +249,18 @@ def matvec_glu(gate: GpuWeight, up: GpuWeight, x: Any, q8: Q8 | None, out: Any, 
         quantize_q8(out, q8_out)
 
 
+def matvec_rope_kv(w: GpuWeight, q8: Q8, out: Any, cos, sin, k_cache, v_cache, start, q_dim: int, kv_dim: int,
+                   hd: int) -> None:
+    """Decode's fused QKV product out (q_dim + 2 kv_dim,) = w . x (q8 holding x) with the rotary embedding on q
+    and k ('normal' pairs) and k, v written to one layer's fp16 cache (KV, max_tokens, hd) at position start[0]:
+    matvec and rope_store_kv in one kernel. w: a quantized type outside HEAVY_DECODE."""
+    m, k = w.shape
+    wpr = matvec_shape(m, k, w.qtype)[0]
+    launch("matvec", f"matvec_rope_kv_{w.suffix}{_shape_suffix(wpr, 2)}", (_blocks(m * wpr, WARPS * 2),),
+           (32 * WARPS,), (*w.args(), *q8.args(), out, i32(m), i32(k), cos, sin, start, k_cache, v_cache,
+                           i32(k_cache.shape[1]), i32(q_dim), i32(kv_dim), i32(hd), i32(2 * cos.shape[1])))
+
+
 def moe_gate_up(gate: GpuWeight, up: GpuWeight, x: Any, q8: Q8 | None, ids: Any, hidden: Any, act: int) -> None:
     """hidden (n * top_k, f) = act(gate_e . x[token]) * (up_e . x[token]) for each token's chosen experts e =
     ids (n, top_k); gate, up: stacked (n_experts, f, k) weights of one type; quantized ones read q8 (x's)."""
@@ -309,7 +321,9 @@ def _row_slice(w: GpuWeight, lo: int, hi: int) -> tuple[Any, ...]:
 
 
 MM_TOKENS, MM_ROWS = 64, 64  # matmul.cu's block tile
-TILES_MAX_WEIGHTS = 4 * 2**20  # larger products go to dequantize + cuBLAS (bench/gpu_kernels.py prompt)
+# Larger products go to dequantize + cuBLAS: at 512 tokens on an H200 (bench/gpu_kernels.py prompt) our kernel took
+# 23-45 us up to 0.9M weights against cuBLAS's 38-78 us, tied at 4M (Q4_0) or lost (Q4_K, 65 against 39 us).
+TILES_MAX_WEIGHTS = 2 * 2**20
 
 
 def tiled(x: Any, w: GpuWeight, out: Any) -> bool:
@@ -415,17 +429,27 @@ def attention_splits(n: int) -> tuple[int, int]:
     return (ATTN_Z_SPLITS, 4) if n == 1 else (1, 1)
 
 
-def attention(q, k_cache, v_cache, start, out, scale: float, window: int, part, q8: Q8 | None = None) -> None:
+def counters(n: int) -> Any:
+    """n completion counters for kernels whose last block to finish does a step more (it leaves its counter at
+    zero again, so one zeroed buffer serves every launch)."""
+    return cupy.zeros(n, cupy.uint32)
+
+
+def attention(q, k_cache, v_cache, start, out, scale: float, window: int, part, q8: Q8 | None = None,
+              done: Any = None) -> None:
     """q (n, H, hd) strided view; out (n, H*hd); part: float32 scratch of n*H*splits*(hd+2) (attention_splits).
-    With q8 (one query) out is also quantized there for the output projection."""
+    One query (decode) needs done = counters(H): each head's last block merges its splits, and with q8 also
+    quantizes the output there for the output projection. A chunk's splits are merged by a second kernel."""
     n, n_heads, hd = q.shape
     n_kv, max_tokens = k_cache.shape[0], k_cache.shape[1]
     z, wpq = attention_splits(n)
+    decode = (done, out, *q8_args(q8)) if n == 1 else (np.uintp(0),) * 5
     launch("attention", f"attention_partial_{hd}", (n_heads, _blocks(n, 4 // wpq), z), (128,),
            (q, i64(q.strides[0] // 4), k_cache, v_cache, i32(max_tokens), i32(n_heads), i32(n_kv), start,
-            i32(n), i32(window), f32(scale * LOG2_E), i32(wpq), part))
-    launch("attention", "attention_combine", (n, n_heads), (32 * _blocks(hd, 32),),
-           (part, i32(n_heads), i32(hd), i32(z * wpq), out, i64(out.strides[0] // 4), *q8_args(q8)))
+            i32(n), i32(window), f32(scale * LOG2_E), i32(wpq), part, *decode))
+    if n > 1:
+        launch("attention", "attention_combine", (n, n_heads), (32 * _blocks(hd, 32),),
+               (part, i32(n_heads), i32(hd), i32(z * wpq), out, i64(out.strides[0] // 4)))
 
 
 # ---- sampling ------------------------------------------------------------------------------------------
