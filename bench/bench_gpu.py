@@ -78,7 +78,8 @@ def decode_breakdown_us(state, reps: int = 20) -> dict[str, float]:
     ops = {
         "embed": lambda: backend.embed(w.token_embd, ws.tokens[:1], x),
         "add_rms_norm+q8": lambda: backend.add_rms_norm(delta, x, layer.attn_norm, c.rms_eps, h),
-        "qkv+rope_kv": lambda: backend.linear_rope_kv(h, layer.qkv[0], qkv, q, k, v, w.rope, ROPE_NORMAL, cache, 0, ws.start),
+        "qkv": lambda: backend.linear(h, layer.qkv[0], qkv),
+        "rope_store_kv": lambda: backend.rope_store_kv(q, k, v, w.rope, ROPE_NORMAL, cache, 0, ws.start),
         "attention+q8": lambda: backend.attention(q, cache, 0, ws.start, attn, 0.1),
         "attn_out": lambda: backend.linear(attn, layer.attn_out, delta),
         "gate_up+q8": lambda: backend.gated_ffn(h, layer.gate, layer.up, ws.ffn[:1], ws.ffn_scratch[:1]),

@@ -256,25 +256,6 @@ class Backend(Protocol):
         The caller guarantees start[0] + n <= min(cache.max_tokens, rope.max_positions).
         """
 
-    def linear_rope_kv(
-        self,
-        x: Array,
-        weight: WeightHandle,
-        out: Array,
-        q: Array,
-        k: Array,
-        v: Array,
-        rope: RopeTable,
-        style: str,
-        cache: KVCache,
-        layer: int,
-        start: Array,
-    ) -> None:
-        """linear(x, weight, out) with a fused QKV weight, then rope_store_kv(q, k, v, ...), where q, k and v
-        are the (n, heads, head_dim) views of out's three column blocks, in that order. The GPU makes one
-        kernel of it for a token of decode with ROPE_NORMAL.
-        """
-
     def attention(
         self,
         q: Array,

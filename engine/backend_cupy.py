@@ -345,18 +345,6 @@ class CupyBackend:
         K.rope_store_kv(q, k, v, rope.cos, rope.sin, style == ROPE_NEOX, cache.k[layer], cache.v[layer], start)
 
     @_on_stream
-    def linear_rope_kv(self, x, weight: K.GpuWeight, out, q, k, v, rope: RopeTable, style: str, cache: KVCache,
-                       layer: int, start) -> None:
-        if x.shape[0] > 1 or style != ROPE_NORMAL or not weight.quantized or weight.qtype in K.HEAVY_DECODE:
-            self.linear(x, weight, out)
-            self.rope_store_kv(q, k, v, rope, style, cache, layer, start)
-            return
-        n_heads, hd = q.shape[1:]
-        K.matvec_rope_kv(weight, self._quantized_input(x), out, rope.cos, rope.sin, cache.k[layer], cache.v[layer],
-                         start, n_heads * hd, k.shape[1] * hd, hd)
-        self._q8_of = None
-
-    @_on_stream
     def attention(self, q, cache: KVCache, layer: int, start, out, scale: float, window: int = 0) -> None:
         n, n_heads, hd = q.shape
         z, wpq = K.attention_splits(n)

@@ -120,11 +120,6 @@ class NumpyBackend:
     def rope_store_kv(self, q, k, v, rope: RopeTable, style: str, cache: KVCache, layer: int, start) -> None:
         reference.rope_store_kv(q, k, v, rope.cos, rope.sin, style, cache.k[layer], cache.v[layer], int(start[0]))
 
-    def linear_rope_kv(self, x, weight: NumpyWeight, out, q, k, v, rope: RopeTable, style: str, cache: KVCache,
-                       layer: int, start) -> None:
-        self.linear(x, weight, out)
-        self.rope_store_kv(q, k, v, rope, style, cache, layer, start)
-
     def attention(self, q, cache: KVCache, layer: int, start, out, scale: float, window: int = 0) -> None:
         reference.attention(q, cache.k[layer], cache.v[layer], int(start[0]), out, scale, window)
 

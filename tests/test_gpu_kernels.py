@@ -257,34 +257,6 @@ def test_rope_store_kv(neox):
     assert rel(kc.get(), kc_ref) < 1e-3 and rel(vc.get(), vc_ref) < 1e-3
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K], ids=lambda t: t.name)
-@pytest.mark.parametrize("heads,kv,hd,rot", [(8, 2, 64, 64), (4, 4, 128, 96), (32, 8, 128, 128)])
-def test_qkv_product_fused_with_rope_and_cache_write(qtype, heads, kv, hd, rot):
-    rng = np.random.default_rng()
-    k_in, max_tokens, pos = 512, 40, 29
-    m = (heads + 2 * kv) * hd
-    raw, w = random_weight(qtype, m, k_in, rng)
-    gw = K.upload_weight("qkv", qtype, (m, k_in), raw)
-    x = rng.standard_normal(k_in).astype(np.float32)
-    q8 = K.Q8.empty(k_in)
-    K.quantize_q8(cp.asarray(x), q8)
-    inv_freq = (1.0 / 10000 ** (np.arange(0, rot, 2) / rot)).astype(np.float32)
-    cos, sin = reference.rope_tables(inv_freq, max_tokens)
-    kc = cp.asarray(rng.standard_normal((kv, max_tokens, hd)).astype(np.float16))
-    vc = cp.asarray(rng.standard_normal((kv, max_tokens, hd)).astype(np.float16))
-    kc_ref, vc_ref = kc.get().astype(np.float32), vc.get().astype(np.float32)
-    out = poisoned((1, m))
-    K.matvec_rope_kv(gw, q8, out, cp.asarray(cos), cp.asarray(sin), kc, vc, cp.asarray([pos], cp.int32),
-                     heads * hd, kv * hd, hd)
-    qkv = (w.astype(np.float64) @ q8_input(x)).astype(np.float32).reshape(1, m)
-    q, k, v = (qkv[:, : heads * hd].reshape(1, heads, hd), qkv[:, heads * hd : (heads + kv) * hd].reshape(1, kv, hd),
-               qkv[:, (heads + kv) * hd :].reshape(1, kv, hd))
-    reference.rope_store_kv(q, k, v, cos, sin, "normal", kc_ref, vc_ref, pos)
-    assert rel(out.get(), qkv) < 1e-5
-    assert rel(kc.get(), kc_ref) < 1e-3 and rel(vc.get(), vc_ref) < 1e-3
-    assert np.array_equal(kc.get()[:, pos + 1 :], kc_ref[:, pos + 1 :].astype(np.float16)), "only position pos is written"
-
-
 def attention_case(rng, n, start, window, hd, heads, kv, max_tokens=512):
     kc = rng.standard_normal((kv, max_tokens, hd)).astype(np.float16)
     vc = rng.standard_normal((kv, max_tokens, hd)).astype(np.float16)

@@ -92,15 +92,13 @@ def load_weights(
     return LlamaWeights(token_embd, layers, output_norm, output, rope)
 
 
-def _project_qkv_rope(backend: Backend, layer: LlamaLayer, h, qkv, q, k, v, config: TransformerConfig, rope: RopeTable,
-                      cache: KVCache, i: int, start) -> None:
+def _project_qkv(backend: Backend, layer: LlamaLayer, h, qkv, config: TransformerConfig) -> None:
     if len(layer.qkv) == 1:
-        backend.linear_rope_kv(h, layer.qkv[0], qkv, q, k, v, rope, ROPE_NORMAL, cache, i, start)
+        backend.linear(h, layer.qkv[0], qkv)
         return
     bounds = [0, config.q_dim, config.q_dim + config.kv_dim, config.q_dim + 2 * config.kv_dim]
     for weight, lo, hi in zip(layer.qkv, bounds, bounds[1:]):
         backend.linear(h, weight, qkv[:, lo:hi])
-    backend.rope_store_kv(q, k, v, rope, ROPE_NORMAL, cache, i, start)
 
 
 def forward(
@@ -129,7 +127,8 @@ def forward(
             backend.rms_norm(x, layer.attn_norm, c.rms_eps, h)
         else:
             backend.add_rms_norm(delta, x, layer.attn_norm, c.rms_eps, h)
-        _project_qkv_rope(backend, layer, h, qkv, q, k, v, c, weights.rope, cache, i, ws.start)
+        _project_qkv(backend, layer, h, qkv, c)
+        backend.rope_store_kv(q, k, v, weights.rope, ROPE_NORMAL, cache, i, ws.start)
         backend.attention(q, cache, i, ws.start, attn, scale)
         backend.linear(attn, layer.attn_out, delta)
         backend.add_rms_norm(delta, x, layer.ffn_norm, c.rms_eps, h)

@@ -249,18 +249,6 @@ def matvec_glu(gate: GpuWeight, up: GpuWeight, x: Any, q8: Q8 | None, out: Any, 
         quantize_q8(out, q8_out)
 
 
-def matvec_rope_kv(w: GpuWeight, q8: Q8, out: Any, cos, sin, k_cache, v_cache, start, q_dim: int, kv_dim: int,
-                   hd: int) -> None:
-    """Decode's fused QKV product out (q_dim + 2 kv_dim,) = w . x (q8 holding x) with the rotary embedding on q
-    and k ('normal' pairs) and k, v written to one layer's fp16 cache (KV, max_tokens, hd) at position start[0]:
-    matvec and rope_store_kv in one kernel. w: a quantized type outside HEAVY_DECODE."""
-    m, k = w.shape
-    wpr = matvec_shape(m, k, w.qtype)[0]
-    launch("matvec", f"matvec_rope_kv_{w.suffix}{_shape_suffix(wpr, 2)}", (_blocks(m * wpr, WARPS * 2),),
-           (32 * WARPS,), (*w.args(), *q8.args(), out, i32(m), i32(k), cos, sin, start, k_cache, v_cache,
-                           i32(k_cache.shape[1]), i32(q_dim), i32(kv_dim), i32(hd), i32(2 * cos.shape[1])))
-
-
 def moe_gate_up(gate: GpuWeight, up: GpuWeight, x: Any, q8: Q8 | None, ids: Any, hidden: Any, act: int) -> None:
     """hidden (n * top_k, f) = act(gate_e . x[token]) * (up_e . x[token]) for each token's chosen experts e =
     ids (n, top_k); gate, up: stacked (n_experts, f, k) weights of one type; quantized ones read q8 (x's)."""

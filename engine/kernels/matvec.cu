@@ -83,18 +83,19 @@ __device__ __forceinline__ void prefetch_rows(const Planes& p, long row0, int ro
 }
 
 // A block of 4 warps covers 4 / WPR row sets of R rows; the WPR warps of a row set split its groups (more loads
-// in flight for long rows) and add up through shared memory. NW = 2 is the gate/up pair. The row set's totals,
-// acc[j * R + r] for matrix j and row row0 + r, end in lane 0 of its first warp, where this returns true.
+// in flight for long rows) and add up through shared memory. NW = 2 is the fused gate/up pair:
+// out = act(gate.x) * (up.x).
 template <class B, int NW, int WPR, int R>
-__device__ __forceinline__ bool matvec_rows(const Planes* w, const signed char* xq, const signed char* xq2,
-                                            const float2* xds, int m, int k, int& row0, float (&acc)[NW * R]) {
+__device__ __forceinline__ void matvec_q(const Planes* w, const signed char* xq, const signed char* xq2,
+                                         const float2* xds, float* __restrict__ out, int m, int k, int act) {
     __shared__ float part[NW * R][4];
     const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
-    row0 = (blockIdx.x * (4 / WPR) + warp / WPR) * R;
+    const int row0 = (blockIdx.x * (4 / WPR) + warp / WPR) * R;
     if (row0 < m && warp % WPR == 0)
 #pragma unroll
         for (int j = 0; j < NW; ++j) prefetch_rows<B>(w[j], row0, min(R, m - row0), k);
     grid_dependency_sync();
+    float acc[NW * R];
 #pragma unroll
     for (int j = 0; j < NW * R; ++j) acc[j] = 0.0f;
     if (row0 < m) row_dots<B, NW, R>(w, row0, m, k, (warp % WPR) * 32 + lane, 32 * WPR, xq, xq2, xds, acc);
@@ -112,54 +113,10 @@ __device__ __forceinline__ bool matvec_rows(const Planes* w, const signed char* 
             acc[j] = total;
         }
     }
-    return lane == 0 && warp % WPR == 0;
-}
-
-template <class B, int NW, int WPR, int R>
-__device__ __forceinline__ void matvec_q(const Planes* w, const signed char* xq, const signed char* xq2,
-                                         const float2* xds, float* __restrict__ out, int m, int k, int act) {
-    int row0;
-    float acc[NW * R];
-    if (matvec_rows<B, NW, WPR, R>(w, xq, xq2, xds, m, k, row0, acc))
+    if (lane == 0 && warp % WPR == 0)
 #pragma unroll
         for (int r = 0; r < R; ++r)
             if (row0 + r < m) out[row0 + r] = NW == 2 ? activate(acc[r], act) * acc[R + r] : acc[r];
-}
-
-// The fused QKV product of decode with the rotary embedding ('normal' pairs: dims 2j, 2j + 1, the two rows of a
-// row set) and the KV-cache write in its stores, which saves rope_store_kv's launch. Rows [0, q_dim) are q,
-// [q_dim, q_dim + kv_dim) k, then v; the position is start[0].
-struct RopeKV {
-    const float* cos_t;
-    const float* sin_t;
-    const int* start;
-    u16* k_cache;
-    u16* v_cache;
-    int max_tokens, q_dim, kv_dim, hd, rot;
-};
-
-template <class B, int WPR>
-__device__ __forceinline__ void matvec_rope_kv(const Planes* w, const signed char* xq, const signed char* xq2,
-                                               const float2* xds, float* out, int m, int k, const RopeKV& p) {
-    int row0;
-    float acc[2];
-    if (!matvec_rows<B, 1, WPR, 2>(w, xq, xq2, xds, m, k, row0, acc) || row0 >= m) return;
-    const int pos = p.start[0];
-    const int d = row0 % p.hd;
-    float a = acc[0], b = acc[1];
-    if (row0 < p.q_dim + p.kv_dim && d < p.rot) {
-        const long at = (long)pos * (p.rot / 2) + d / 2;
-        const float c = p.cos_t[at], s = p.sin_t[at];
-        const float a0 = a;
-        a = a0 * c - b * s;
-        b = a0 * s + b * c;
-    }
-    *reinterpret_cast<float2*>(out + row0) = make_float2(a, b);
-    if (row0 < p.q_dim) return;
-    const bool is_v = row0 >= p.q_dim + p.kv_dim;
-    const int head = (row0 - p.q_dim - (is_v ? p.kv_dim : 0)) / p.hd;
-    u16* cache = is_v ? p.v_cache : p.k_cache;
-    *reinterpret_cast<u32*>(cache + ((long)head * p.max_tokens + pos) * p.hd + d) = (u32)f2h(a) | ((u32)f2h(b) << 16);
 }
 
 // Fused gate/up for decode that also quantizes its output for the down projection: a block of 16 warps makes 32
@@ -204,24 +161,12 @@ __device__ __forceinline__ void matvec_glu_q8(const Planes* w, const signed char
         matvec_q<B, 2, WPR, R>(w, xq, xq2, xds, out, m, k, act);                                               \
     }
 
-#define MATVEC_ROPE_KV(name, B, shape, WPR)                                                                    \
-    extern "C" __global__ void matvec_rope_kv_##name##shape(                                                   \
-        const u8* q, const u8* h, const u8* s, const u8* d, const signed char* xq, const signed char* xq2,    \
-        const float2* xds, float* out, int m, int k, const float* cos_t, const float* sin_t, const int* start, \
-        u16* k_cache, u16* v_cache, int max_tokens, int q_dim, int kv_dim, int hd, int rot) {                 \
-        const Planes w[1] = {{q, h, s, d}};                                                                    \
-        matvec_rope_kv<B, WPR>(w, xq, xq2, xds, out, m, k,                                                     \
-                               RopeKV{cos_t, sin_t, start, k_cache, v_cache, max_tokens, q_dim, kv_dim, hd, rot}); \
-    }
-
 #define MATVEC_Q(name, B)                                                                                      \
     MATVEC_SHAPE(name, B, _w1, 1, 1)                                                                           \
     MATVEC_SHAPE(name, B, _w2, 2, 1)                                                                           \
     MATVEC_SHAPE(name, B, _w4, 4, 1)                                                                           \
     MATVEC_SHAPE(name, B, _w1_r2, 1, 2)                                                                        \
     MATVEC_SHAPE(name, B, _w2_r2, 2, 2)                                                                        \
-    MATVEC_ROPE_KV(name, B, _w1_r2, 1)                                                                         \
-    MATVEC_ROPE_KV(name, B, _w2_r2, 2)                                                                         \
     extern "C" __global__ void __launch_bounds__(512) matvec_glu_q8_##name(                                   \
         const u8* q, const u8* h, const u8* s, const u8* d, const u8* q2, const u8* h2, const u8* s2,         \
         const u8* d2, const signed char* xq, const signed char* xq2, const float2* xds, float* out, int k,     \
