@@ -309,8 +309,9 @@ def _row_slice(w: GpuWeight, lo: int, hi: int) -> tuple[Any, ...]:
 
 
 MM_TOKENS, MM_ROWS = 64, 64  # matmul.cu's block tile
-# Larger products go to dequantize + cuBLAS: at 512 tokens on an H200 (bench/gpu_kernels.py prompt) our kernel took
-# 23-45 us up to 0.9M weights against cuBLAS's 38-78 us, tied at 4M (Q4_0) or lost (Q4_K, 65 against 39 us).
+# Larger products go to dequantize + cuBLAS. At 512 tokens on an H200 (bench/gpu_kernels.py prompt, launched as the
+# prompt path launches) our kernel took 23-45 us on the 135M model's products (up to 0.9M weights) against 38-78 us,
+# slower only on its Q4_K down product (44.8 against 39.2); at 4M weights it tied (Q4_0) or lost (Q4_K, 65 against 39).
 TILES_MAX_WEIGHTS = 2 * 2**20
 
 
