@@ -15,7 +15,6 @@ import contextlib
 import ctypes
 import functools
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import cupy
@@ -23,10 +22,9 @@ import numpy as np
 from cupy_backends.cuda.libs import cublas
 from gguf import GGMLQuantizationType as T
 
+from engine.kernels import sources
 from engine.kernels.gpu_layout import FLOAT_TYPES, KERNEL_SUFFIX, PLANE_ORDER, PLANES, planar_layout, to_planar
 
-_DIR = Path(__file__).parent
-_HEADER = "quant_blocks.cuh"
 WARPS = 4  # warps per block of the matrix-vector and attention kernels
 ATTN_Z_SPLITS = 8  # decode attention: grid.z blocks per head, times 4 warps = 32 splits of the key range
 HEAD_DIMS = (64, 128, 256)  # head sizes the attention kernels are built for
@@ -38,8 +36,7 @@ LOG2_E = 1.4426950408889634  # attention works in base 2
 
 @functools.cache
 def module(name: str) -> cupy.RawModule:
-    code = (_DIR / _HEADER).read_text() + "\n" + (_DIR / f"{name}.cu").read_text()
-    return cupy.RawModule(code=code, options=("-std=c++17",))
+    return cupy.RawModule(code=sources.source(name), options=sources.OPTIONS)
 
 
 @functools.cache
