@@ -318,24 +318,21 @@ class CupyBackend:
         hidden = scratch.reshape(-1)[: n * top_k * f].reshape(n * top_k, f)
         x_q8 = h_q8 = None
         if gate_exps.quantized:
-            x_q8 = self._quantized_input(x) if n == 1 else self._moe_q8("x", x.size)
+            x_q8 = self._quantized_input(x) if n == 1 else self._q8_scratch(self._buffer, "moe_x", x.size)
             if n > 1:
                 K.quantize_q8(x, x_q8)
         K.moe_gate_up(gate_exps, up_exps, x, x_q8, ids, hidden, act)
         if down_exps.quantized:
-            h_q8 = self._moe_q8("hidden", hidden.size) if n > 1 else self._moe_decode_q8(hidden.size)
+            # A prompt chunk's scratch grows as needed; decode's keeps the address its captured graph holds.
+            h_q8 = self._q8_scratch(self._buffer if n > 1 else self._decode_buffer, "moe_hidden", hidden.size)
             K.quantize_q8(hidden, h_q8)
         K.moe_down(down_exps, hidden, h_q8, ids, weights, out)
 
-    def _moe_q8(self, key: str, size: int) -> K.Q8:
-        """int8 activations of a prompt chunk (grown as needed, outside graphs)."""
-        return K.Q8(self._buffer(f"moe_{key}_q", size, cupy.int8), self._buffer(f"moe_{key}_q2", size, cupy.int8),
-                    self._buffer(f"moe_{key}_ds", size // 16, cupy.float32).reshape(-1, 2))
-
-    def _moe_decode_q8(self, size: int) -> K.Q8:
-        """The one-token experts' hidden vector in int8 (decode scratch: fixed address for the captured graph)."""
-        return K.Q8(self._decode_buffer("moe_hidden_q", size, cupy.int8), self._decode_buffer("moe_hidden_q2", size, cupy.int8),
-                    self._decode_buffer("moe_hidden_ds", size // 16, cupy.float32).reshape(-1, 2))
+    @staticmethod
+    def _q8_scratch(buffer: Callable[[str, int, Any], Any], key: str, size: int) -> K.Q8:
+        """int8 activations of `size` values in scratch from `buffer` (_buffer or _decode_buffer)."""
+        return K.Q8(buffer(f"{key}_q", size, cupy.int8), buffer(f"{key}_q2", size, cupy.int8),
+                    buffer(f"{key}_ds", size // 16, cupy.float32).reshape(-1, 2))
 
     @_on_stream
     def rope_store_kv(self, q, k, v, rope: RopeTable, style: str, cache: KVCache, layer: int, start) -> None:
@@ -352,25 +349,20 @@ class CupyBackend:
         if n == 1:
             K.attention(q, cache.k[layer], cache.v[layer], start, out, scale, window,
                         self._decode_buffer("attn_part", size, cupy.float32), self._quantize_output(out),
-                        self._decode_counters("attn_done", n_heads))
+                        self._decode_buffer("attn_done", n_heads, cupy.uint32, zeroed=True))
         else:
             self._q8_of = None
             K.attention(q, cache.k[layer], cache.v[layer], start, out, scale, window,
                         self._buffer("attn_part", size, cupy.float32))
 
-    def _decode_buffer(self, key: str, size: int, dtype: Any) -> Any:
+    def _decode_buffer(self, key: str, size: int, dtype: Any, zeroed: bool = False) -> Any:
         """Scratch a decode step uses: allocated on the step's first (uncaptured) run and never regrown after it,
-        since a captured graph keeps its address; separate from the prompt path's scratch, which grows."""
+        since a captured graph keeps its address; separate from the prompt path's scratch, which grows. zeroed:
+        completion counters (K.counters), which their kernels leave at zero."""
         buf = self._decode_scratch.get(key)
         if buf is None or buf.size < size:
-            buf = self._decode_scratch[key] = cupy.empty(size, dtype)
+            buf = self._decode_scratch[key] = (cupy.zeros if zeroed else cupy.empty)(size, dtype)
         return buf[:size]
-
-    def _decode_counters(self, key: str, n: int) -> Any:
-        """Completion counters of a decode kernel (K.counters): zeroed once, before any graph captures them."""
-        if key not in self._decode_scratch or self._decode_scratch[key].size < n:
-            self._decode_scratch[key] = K.counters(n)
-        return self._decode_scratch[key][:n]
 
     def _pick(self, logits: Any, params: SamplingParams, recent_tokens: np.ndarray, uniform: float, chosen: Any,
               feed: tuple[Any, int] | None = None) -> None:

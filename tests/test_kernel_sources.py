@@ -4,6 +4,7 @@ to PTX for the oldest GPU the backend accepts (compute capability 7.5) and for H
 compile is caught here, before it reaches a GPU machine."""
 
 import ctypes
+import functools
 from pathlib import Path
 
 import nvidia
@@ -15,6 +16,7 @@ MODULES = sources.names()
 EXPECTED = {"attention", "dequant", "matmul", "matvec", "norms", "rope", "sampling"}
 
 
+@functools.cache
 def nvrtc() -> ctypes.CDLL:
     for base in nvidia.__path__:
         for lib in sorted(Path(base).glob("*/lib/libnvrtc.so*")):
