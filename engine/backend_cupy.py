@@ -346,7 +346,9 @@ class CupyBackend:
         n, n_heads, hd = q.shape
         z, wpq = K.attention_splits(n)
         size = n * n_heads * z * wpq * (hd + 2)  # partial results of the key-range splits
-        if n == 1:
+        if n == 1 and K.cluster_decode_attention():
+            K.attention_decode(q, cache.k[layer], cache.v[layer], start, out, scale, window, self._quantize_output(out))
+        elif n == 1:
             K.attention(q, cache.k[layer], cache.v[layer], start, out, scale, window,
                         self._decode_buffer("attn_part", size, cupy.float32), self._quantize_output(out),
                         self._decode_buffer("attn_done", n_heads, cupy.uint32, zeroed=True))

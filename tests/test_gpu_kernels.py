@@ -288,6 +288,15 @@ def test_attention(n, start, window, hd):
         K.attention(*tensors, out, scale, window, part, q8, done)
         assert rel(out.get(), expect) < 1e-5
         assert_q8_of(q8, out.get())
+        if K.cluster_decode_attention():  # one kernel, the splits merged inside each head's cluster
+            out[...] = np.nan
+            K.attention_decode(*tensors, out, scale, window)
+            assert rel(out.get(), expect) < 1e-5
+            q8 = K.Q8.empty(heads * hd)
+            out[...] = np.nan
+            K.attention_decode(*tensors, out, scale, window, q8)
+            assert rel(out.get(), expect) < 1e-5
+            assert_q8_of(q8, out.get())
 
 
 def test_argmax_and_repeat_penalty():

@@ -2,8 +2,9 @@
 //
 // attention_partial: each warp one (query, head, split) item; a decode query spreads its keys over 32 warps of 8
 // blocks, a prompt chunk's queries take one warp each (four consecutive queries of a head per block share their
-// K/V rows through L1). The splits are then merged and normalized: for decode by the head's last block to finish,
-// which also quantizes the output for the output projection; for a prompt chunk by attention_combine.
+// K/V rows through L1). The splits are then merged and normalized: for decode by the head's 8 blocks as one
+// cluster (attention_decode, sm_90+) or by the head's last block to finish (older GPUs), either of which also
+// quantizes the output for the output projection; for a prompt chunk by attention_combine.
 //
 // Key ranges come from start[0] in device memory, so one captured graph serves every position; splits past
 // the range are empty and leave max = -inf, sum = 0.
@@ -38,14 +39,23 @@ __device__ __forceinline__ void combine_splits(const float* p, int n_splits, int
     }
 }
 
+// Key row j of a head (HD fp16) into registers.
+template <int HD>
+__device__ __forceinline__ void load_key(const u16* __restrict__ kbase, int j, uint4 (&kv)[HD / 8]) {
+    const uint4* kr = reinterpret_cast<const uint4*>(kbase + (long)j * HD);
+#pragma unroll
+    for (int c = 0; c < HD / 8; ++c) kv[c] = __ldg(kr + c);
+}
+
 // One warp's share of attention for one query: keys lo..hi-1, 32 at a time (lane j scores key j, then every
 // lane accumulates the weighted values of its own dims), online softmax in base 2. qs: the query times
 // scale * log2(e). Leaves the unnormalized output, the max m and the sum l; acc[2 c + e] is dim 64 c + 2 lane + e
 // (each lane reads the values two fp16 at a time).
-template <int HD>
+// With PRELOADED, kv holds key lo + lane (when below hi), loaded by the caller; other keys are loaded here.
+template <int HD, bool PRELOADED>
 __device__ __forceinline__ void warp_attend(const float* qs, const u16* __restrict__ kbase,
-                                            const u16* __restrict__ vbase, int lo, int hi, float (&acc)[HD / 32],
-                                            float& m, float& l) {
+                                            const u16* __restrict__ vbase, int lo, int hi, uint4 (&kv)[HD / 8],
+                                            float (&acc)[HD / 32], float& m, float& l) {
     constexpr int WPL = HD / 64;              // 32-bit words (fp16 pairs) of a value row per lane
     // Value rows loaded together: in a decode graph on an H200, 8 beat 32 at head dim 64 (the step 10% faster)
     // and matched 16 and 32 at head dim 128.
@@ -58,11 +68,8 @@ __device__ __forceinline__ void warp_attend(const float* qs, const u16* __restri
     for (int j0 = lo; j0 < hi; j0 += 32) {
         const int j = j0 + lane;
         float s = NEG_INF;
+        if ((!PRELOADED || j0 > lo) && j < hi) load_key<HD>(kbase, j, kv);
         if (j < hi) {
-            const uint4* kr = reinterpret_cast<const uint4*>(kbase + (long)j * HD);
-            uint4 kv[HD / 8];
-#pragma unroll
-            for (int c = 0; c < HD / 8; ++c) kv[c] = __ldg(kr + c);
             float dot[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // four chains, not one 128-long chain of dependent FMAs
 #pragma unroll
             for (int c = 0; c < HD / 8; ++c) {
@@ -105,23 +112,19 @@ __device__ __forceinline__ void warp_attend(const float* qs, const u16* __restri
     }
 }
 
-// HD is the head dimension (64, 128 or 256): a compile-time size lets the loads of a key row and of a value
-// tile be issued together rather than one dependent load at a time.
-template <int HD>
-__device__ __forceinline__ void attention_partial_impl(const float* __restrict__ q, long q_stride,
-                                                       const u16* __restrict__ k_cache,
-                                                       const u16* __restrict__ v_cache, int max_tokens,
-                                                       int n_heads, int n_kv, const int* __restrict__ start, int n,
-                                                       int window, float scale_log2, int wpq,
-                                                       float* __restrict__ part, u32* done, float* out,
-                                                       signed char* xq, signed char* xq2, float2* xds) {
+// Warp `warp` of the block attends query qi of head `head` over split `split` of n_splits of its key range,
+// leaving the unnormalized output acc, the max m and the sum l (see warp_attend). HD is the head dimension (64,
+// 128 or 256): a compile-time size lets the loads of a key row and of a value tile be issued together rather
+// than one dependent load at a time. PRELOAD: load the first key before waiting for the kernel before (it then
+// stays in registers across the wait: twice the registers, which the one-wave decode grid can afford).
+template <int HD, bool PRELOAD>
+__device__ __forceinline__ void attend_split(const float* __restrict__ q, long q_stride,
+                                             const u16* __restrict__ k_cache, const u16* __restrict__ v_cache,
+                                             int max_tokens, int n_heads, int n_kv, const int* __restrict__ start,
+                                             int n, int window, float scale_log2, int qi, int head, int split,
+                                             int n_splits, float (&acc)[HD / 32], float& m, float& l) {
     __shared__ float qs[4][HD];
     const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
-    const int head = blockIdx.x;
-    const int qi = blockIdx.y * (4 / wpq) + warp / wpq;
-    const int n_splits = gridDim.z * wpq;
-    const int split = blockIdx.z * wpq + warp % wpq;
-    if (qi >= n) return;
     const int kvh = head / (n_heads / n_kv);
     const int pos = start[0] + qi;
     const int first = window > 0 ? max(0, pos - window + 1) : 0;
@@ -131,8 +134,9 @@ __device__ __forceinline__ void attention_partial_impl(const float* __restrict__
     const int hi = min(lo + per, pos + 1);
     const u16* kbase = k_cache + (long)kvh * max_tokens * HD;
     const u16* vbase = v_cache + (long)kvh * max_tokens * HD;
-    // Decode: the cached keys and values (all but the newest, which the kernel before writes) and the position
-    // (set before the step) do not depend on the kernel before, so ask L2 for this warp's rows while it finishes.
+    // Keys and values before start[0] (set before the step) are cached before the kernel before this one runs,
+    // which writes the chunk's own. So while it finishes, a decode warp asks L2 for its rows (and with PRELOAD
+    // loads the first key it scores).
     if (n == 1) {
         const char* kb = reinterpret_cast<const char*>(kbase + (long)lo * HD);
         const char* vb = reinterpret_cast<const char*>(vbase + (long)lo * HD);
@@ -141,14 +145,36 @@ __device__ __forceinline__ void attention_partial_impl(const float* __restrict__
             asm volatile("prefetch.global.L2 [%0];" ::"l"(vb + off));
         }
     }
+    const int ready = start[0];
+    uint4 kv[HD / 8];
+    if (PRELOAD && lo + lane < min(hi, ready)) load_key<HD>(kbase, lo + lane, kv);
     grid_dependency_sync();
+    if (PRELOAD && lo + lane >= ready && lo + lane < hi) load_key<HD>(kbase, lo + lane, kv);
 
     const float* qr = q + qi * q_stride + (long)head * HD;
 #pragma unroll
     for (int i = 0; i < HD / 32; ++i) qs[warp][lane + 32 * i] = qr[lane + 32 * i] * scale_log2;
     __syncwarp();
+    warp_attend<HD, PRELOAD>(qs[warp], kbase, vbase, lo, hi, kv, acc, m, l);
+}
+
+template <int HD>
+__device__ __forceinline__ void attention_partial_impl(const float* __restrict__ q, long q_stride,
+                                                       const u16* __restrict__ k_cache,
+                                                       const u16* __restrict__ v_cache, int max_tokens,
+                                                       int n_heads, int n_kv, const int* __restrict__ start, int n,
+                                                       int window, float scale_log2, int wpq,
+                                                       float* __restrict__ part, u32* done, float* out,
+                                                       signed char* xq, signed char* xq2, float2* xds) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+    const int head = blockIdx.x;
+    const int qi = blockIdx.y * (4 / wpq) + warp / wpq;
+    const int n_splits = gridDim.z * wpq;
+    const int split = blockIdx.z * wpq + warp % wpq;
+    if (qi >= n) return;
     float acc[HD / 32], m, l;
-    warp_attend<HD>(qs[warp], kbase, vbase, lo, hi, acc, m, l);
+    attend_split<HD, false>(q, q_stride, k_cache, v_cache, max_tokens, n_heads, n_kv, start, n, window,
+                            scale_log2, qi, head, split, n_splits, acc, m, l);
     float* mine = part + (((long)qi * n_heads + head) * n_splits + split) * (HD + 2);
 #pragma unroll
     for (int c = 0; c < HD / 64; ++c)
@@ -158,8 +184,8 @@ __device__ __forceinline__ void attention_partial_impl(const float* __restrict__
         mine[HD + 1] = l;
     }
     if (done == nullptr) return;
-    // Decode: the last of the head's blocks to finish (counted in done[head], which it leaves at zero) merges the
-    // splits, which saves the combine kernel's launch.
+    // Decode before sm_90: the last of the head's blocks to finish (counted in done[head], which it leaves at
+    // zero) merges the splits, which saves the combine kernel's launch.
     __shared__ bool last;
     __threadfence();
     __syncthreads();
@@ -184,6 +210,88 @@ __device__ __forceinline__ void attention_partial_impl(const float* __restrict__
 ATTENTION_PARTIAL(64)
 ATTENTION_PARTIAL(128)
 ATTENTION_PARTIAL(256)
+
+#if __CUDA_ARCH__ >= 900
+// Decode on sm_90 and newer: a head's ATTN_CLUSTER blocks (grid z) form a thread-block cluster, which merges the
+// splits through the blocks' shared memory (a cluster barrier, then reads of the other blocks' partial results)
+// instead of through global memory, a fence and a counter; each warp also loads its first key before the wait
+// (attend_split's PRELOAD). On an H200 the decode step went from 0.556 to 0.500 ms (SmolLM2-135M), 0.539 to 0.531
+// (1.2B) and 2.023 to 2.020 (8B); the preload alone on the counter path was slower on the 8B (bench/RESULTS.md).
+#define ATTN_CLUSTER 8
+
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+// The float at p (this block's shared memory) in block `rank` of the cluster.
+__device__ __forceinline__ float ld_cluster(const float* p, u32 rank) {
+    u32 addr;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
+                 : "=r"(addr)
+                 : "r"((u32)__cvta_generic_to_shared(p)), "r"(rank));
+    float v;
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(addr));
+    return v;
+}
+
+template <int HD>
+__device__ __forceinline__ void attention_decode_impl(const float* q, const u16* k_cache, const u16* v_cache,
+                                                      int max_tokens, int n_heads, int n_kv, const int* start,
+                                                      int window, float scale_log2, float* out, signed char* xq,
+                                                      signed char* xq2, float2* xds) {
+    constexpr int N_SPLITS = 4 * ATTN_CLUSTER;
+    __shared__ float part[4][HD + 2];  // this block's warps' acc, m, l
+    const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+    const int head = blockIdx.x;
+    u32 rank;
+    asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+    float acc[HD / 32], m, l;
+    attend_split<HD, true>(q, 0, k_cache, v_cache, max_tokens, n_heads, n_kv, start, 1, window, scale_log2, 0, head,
+                     4 * rank + warp, N_SPLITS, acc, m, l);
+#pragma unroll
+    for (int c = 0; c < HD / 64; ++c)
+        reinterpret_cast<float2*>(&part[warp][64 * c])[lane] = make_float2(acc[2 * c], acc[2 * c + 1]);
+    if (lane == 0) {
+        part[warp][HD] = m;
+        part[warp][HD + 1] = l;
+    }
+    cluster_sync();
+    // Warp w of block r merges the 32 dims of group w * ATTN_CLUSTER + r (spread over the blocks' SMs), with the
+    // same arithmetic in the same order as combine_splits.
+    const int g = warp * ATTN_CLUSTER + rank;
+    if (g < HD / 32) {
+        const int d = 32 * g + lane;
+        float ms[N_SPLITS], mx = NEG_INF;
+#pragma unroll
+        for (int s = 0; s < N_SPLITS; ++s) {
+            ms[s] = ld_cluster(&part[s % 4][HD], s / 4);
+            mx = fmaxf(mx, ms[s]);
+        }
+        float num = 0.0f, den = 0.0f;
+#pragma unroll
+        for (int s = 0; s < N_SPLITS; ++s) {
+            const float f = exp2f(ms[s] - mx);
+            den += ld_cluster(&part[s % 4][HD + 1], s / 4) * f;
+            num += ld_cluster(&part[s % 4][d], s / 4) * f;
+        }
+        out[(long)head * HD + d] = num / den;
+        if (xq != nullptr) quantize_group(num / den, (long)head * HD / 32 + g, xq, xq2, xds);
+    }
+    cluster_sync();  // no block exits while another still reads its shared memory
+}
+
+#define ATTENTION_DECODE(HD)                                                                                   \
+    extern "C" __global__ void __cluster_dims__(1, 1, ATTN_CLUSTER) attention_decode_##HD(                    \
+        const float* q, const u16* k_cache, const u16* v_cache, int max_tokens, int n_heads, int n_kv,        \
+        const int* start, int window, float scale_log2, float* out, signed char* xq, signed char* xq2,        \
+        float2* xds) {                                                                                         \
+        attention_decode_impl<HD>(q, k_cache, v_cache, max_tokens, n_heads, n_kv, start, window, scale_log2,  \
+                                  out, xq, xq2, xds);                                                          \
+    }
+ATTENTION_DECODE(64)
+ATTENTION_DECODE(128)
+ATTENTION_DECODE(256)
+#endif
 
 // One block per (query, head), one thread per dim (prompt chunks: a query's splits are its warps).
 extern "C" __global__ void attention_combine(const float* __restrict__ part, int n_heads, int hd, int n_splits,

@@ -26,7 +26,9 @@ from engine.kernels import sources
 from engine.kernels.gpu_layout import FLOAT_TYPES, KERNEL_SUFFIX, PLANE_ORDER, PLANES, planar_layout, to_planar
 
 WARPS = 4  # warps per block of the matrix-vector and attention kernels
-ATTN_Z_SPLITS = 8  # decode attention: grid.z blocks per head, times 4 warps = 32 splits of the key range
+# Decode attention: grid.z blocks per head (on sm_90+ one cluster, attention.cu ATTN_CLUSTER), times 4 warps = 32
+# splits of the key range.
+ATTN_Z_SPLITS = 8
 HEAD_DIMS = (64, 128, 256)  # head sizes the attention kernels are built for
 ACT_SILU, ACT_GELU_TANH = 0, 1
 
@@ -413,6 +415,23 @@ def attention_splits(n: int) -> tuple[int, int]:
     """(grid z, warps per query) of the two-kernel form: one query spreads its keys over 32 warps, a chunk's
     queries use one each."""
     return (ATTN_Z_SPLITS, 4) if n == 1 else (1, 1)
+
+
+@functools.cache
+def cluster_decode_attention() -> bool:
+    """Whether decode attention merges its splits inside a thread-block cluster (attention_decode, sm_90+)."""
+    return int(cupy.cuda.Device().compute_capability) >= 90
+
+
+def attention_decode(q, k_cache, v_cache, start, out, scale: float, window: int, q8: Q8 | None = None) -> None:
+    """One query (q (1, H, hd) strided view, out (1, H*hd)) in one kernel with no scratch: each head's
+    ATTN_Z_SPLITS blocks are one cluster (attention.cu ATTN_CLUSTER), which merges their 32 splits, and with q8
+    also quantizes the output for the output projection. Needs cluster_decode_attention()."""
+    _, n_heads, hd = q.shape
+    n_kv, max_tokens = k_cache.shape[0], k_cache.shape[1]
+    launch("attention", f"attention_decode_{hd}", (n_heads, 1, ATTN_Z_SPLITS), (128,),
+           (q, k_cache, v_cache, i32(max_tokens), i32(n_heads), i32(n_kv), start, i32(window),
+            f32(scale * LOG2_E), out, *q8_args(q8)))
 
 
 def counters(n: int) -> Any:
