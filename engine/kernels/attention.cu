@@ -216,7 +216,7 @@ ATTENTION_PARTIAL(256)
 // splits through the blocks' shared memory (a cluster barrier, then reads of the other blocks' partial results)
 // instead of through global memory, a fence and a counter; each warp also loads its first key before the wait
 // (attend_split's PRELOAD). On an H200 the decode step went from 0.556 to 0.500 ms (SmolLM2-135M), 0.539 to 0.531
-// (1.2B) and 2.023 to 2.020 (8B); the preload alone on the counter path was slower on the 8B (bench/RESULTS.md).
+// (1.2B) and 2.023 to 2.020 (8B); the same preload on the last-block path was slower on the 8B (bench/RESULTS.md).
 #define ATTN_CLUSTER 8
 
 __device__ __forceinline__ void cluster_sync() {
@@ -246,8 +246,8 @@ __device__ __forceinline__ void attention_decode_impl(const float* q, const u16*
     u32 rank;
     asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
     float acc[HD / 32], m, l;
-    attend_split<HD, true>(q, 0, k_cache, v_cache, max_tokens, n_heads, n_kv, start, 1, window, scale_log2, 0, head,
-                     4 * rank + warp, N_SPLITS, acc, m, l);
+    attend_split<HD, true>(q, 0, k_cache, v_cache, max_tokens, n_heads, n_kv, start, 1, window, scale_log2, 0,
+                           head, 4 * rank + warp, N_SPLITS, acc, m, l);
 #pragma unroll
     for (int c = 0; c < HD / 64; ++c)
         reinterpret_cast<float2*>(&part[warp][64 * c])[lane] = make_float2(acc[2 * c], acc[2 * c + 1]);
