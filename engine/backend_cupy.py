@@ -344,11 +344,12 @@ class CupyBackend:
     @_on_stream
     def attention(self, q, cache: KVCache, layer: int, start, out, scale: float, window: int = 0) -> None:
         n, n_heads, hd = q.shape
+        if n == 1 and K.cluster_decode_attention():  # merged inside each head's cluster: no scratch
+            K.attention_decode(q, cache.k[layer], cache.v[layer], start, out, scale, window, self._quantize_output(out))
+            return
         z, wpq = K.attention_splits(n)
         size = n * n_heads * z * wpq * (hd + 2)  # partial results of the key-range splits
-        if n == 1 and K.cluster_decode_attention():
-            K.attention_decode(q, cache.k[layer], cache.v[layer], start, out, scale, window, self._quantize_output(out))
-        elif n == 1:
+        if n == 1:
             K.attention(q, cache.k[layer], cache.v[layer], start, out, scale, window,
                         self._decode_buffer("attn_part", size, cupy.float32), self._quantize_output(out),
                         self._decode_buffer("attn_done", n_heads, cupy.uint32, zeroed=True))
