@@ -46,6 +46,12 @@ def kernel(module_name: str, name: str) -> Any:
     return module(module_name).get_function(name)
 
 
+@functools.cache
+def _capability() -> int:
+    """The current GPU's compute capability as major * 10 + minor (90 for an H100 or H200)."""
+    return int(cupy.cuda.Device().compute_capability)
+
+
 # ---- launching ---------------------------------------------------------------------------------------------
 
 class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: an id, then a 64-byte value union at offset 8
@@ -67,7 +73,7 @@ _programmatic = [False]
 def _launch_ex() -> Any:
     """The driver's cuLaunchKernelEx when this GPU supports programmatic dependent launch (sm_90+) and the driver
     library is found under its Linux name (12.0 or newer), else None: kernels then launch the ordinary way."""
-    if int(cupy.cuda.Device().compute_capability) < 90:
+    if _capability() < 90:
         return None
     try:
         fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
@@ -325,9 +331,8 @@ def tiled(x: Any, w: GpuWeight, out: Any) -> bool:
             and out.strides[1] == 4 and out.strides[0] % 8 == 0 and out.data.ptr % 8 == 0)
 
 
-@functools.cache
 def _mma_capable() -> bool:
-    return int(cupy.cuda.Device().compute_capability) >= 80
+    return _capability() >= 80
 
 
 def matmul(w: GpuWeight, x: Any, out: Any) -> None:
@@ -417,10 +422,9 @@ def attention_splits(n: int) -> tuple[int, int]:
     return (ATTN_Z_SPLITS, 4) if n == 1 else (1, 1)
 
 
-@functools.cache
 def cluster_decode_attention() -> bool:
     """Whether decode attention merges its splits inside a thread-block cluster (attention_decode, sm_90+)."""
-    return int(cupy.cuda.Device().compute_capability) >= 90
+    return _capability() >= 90
 
 
 def attention_decode(q, k_cache, v_cache, start, out, scale: float, window: int, q8: Q8 | None = None) -> None:
