@@ -4,7 +4,7 @@ product per weight type (plain and programmatic launches) and the prompt path's 
 
 Prints one JSON line per measurement. Decode launches are captured in a CUDA graph and replayed, rotating over
 enough weight copies that they do not fit in L2, so the time is the kernel's, not Python's or the cache's.
-Usage: python bench/gpu_kernels.py [copy] [matvec] [matvec_shapes] [prompt]
+Usage: python bench/gpu_kernels.py [copy] [read] [matvec] [matvec_shapes] [prompt]
 """
 
 from __future__ import annotations
@@ -74,8 +74,8 @@ def weight_copies(qtype, m, k, rng):
     return [K.upload_weight("w", qtype, (m, k), raw) for _ in range(copies)], raw.nbytes
 
 
-MATVEC_SHAPES = [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)]
-GLU_SHAPES = ["fused", *MATVEC_SHAPES]  # fused with the int8 quantization of its output, or followed by it
+MATVEC_SHAPES = [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2), "stream"]
+GLU_SHAPES = ["fused", *MATVEC_SHAPES[:-1]]  # fused with the int8 quantization of its output, or followed by it
 
 
 def bench_matvec(rng, every_shape: bool = False):
@@ -171,12 +171,48 @@ def bench_copy():
     print(json.dumps({"kernel": "device_copy", "GB": 1.07, "TB/s (read+write)": round(2 * a.nbytes / t / 1e12, 2)}))
 
 
+READ_SOURCE = r"""
+extern "C" __global__ void read_all(const uint4* __restrict__ p, long n, unsigned* out) {
+    unsigned acc = 0;
+    const long step = (long)gridDim.x * blockDim.x;
+    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    for (; i + 3 * step < n; i += 4 * step) {
+        const uint4 a = __ldg(p + i), b = __ldg(p + i + step), c = __ldg(p + i + 2 * step), d = __ldg(p + i + 3 * step);
+        acc ^= a.x ^ a.w ^ b.y ^ b.z ^ c.x ^ c.w ^ d.y ^ d.z;
+    }
+    for (; i < n; i += step) acc ^= __ldg(p + i).x;
+    if (acc == 0x12345678u) out[0] = acc;  // keeps the loads; practically never taken
+}
+"""
+
+
+def bench_read():
+    """The read ceiling at the decode products' sizes: a kernel that only reads (16-byte loads, four in flight a
+    thread, 8 blocks of 256 threads a multiprocessor), rotating over copies that do not fit in L2."""
+    kernel = cp.RawKernel(READ_SOURCE, "read_all")
+    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+    out = cp.zeros(1, cp.uint32)
+    for label, nbytes in (("8B o", 9_437_184), ("8B ffn_down", 33_030_144), ("8B ffn_gate+up", 66_060_288),
+                          ("1 GiB", 2**30)):
+        bufs = [cp.zeros(nbytes // 16 * 16, cp.uint8) for _ in range(max(2, -(-3 * L2_BYTES // nbytes)))]
+
+        def launch():
+            for b in bufs:
+                kernel((8 * sms,), (256,), (b, np.int64(b.size // 16), out))
+        t = timed_graph(launch) / len(bufs)
+        print(json.dumps({"kernel": "read", "shape": label, "bytes": nbytes, "us": round(t * 1e6, 2),
+                          "TB/s": round(nbytes / t / 1e12, 3), "fraction_of_4.3TB/s": round(nbytes / t / BANDWIDTH, 3)}),
+              flush=True)
+
+
 def main() -> None:
     rng = np.random.default_rng(0)
     print(json.dumps({"gpu": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "cupy": cp.__version__}))
     parts = sys.argv[1:] or ["copy", "matvec", "prompt"]
     if "copy" in parts:
         bench_copy()
+    if "read" in parts:
+        bench_read()
     if "matvec" in parts:
         bench_matvec(rng)
     if "matvec_shapes" in parts:

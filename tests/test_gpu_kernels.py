@@ -11,7 +11,7 @@ from gguf import GGMLQuantizationType as T
 
 from engine import quants
 from engine.backend import SamplingParams
-from engine.kernels import reference
+from engine.kernels import reference, sources
 from engine.kernels.gpu_layout import FLOAT_TYPES, PLANES, random_blocks
 
 cp = require_gpu()
@@ -90,6 +90,26 @@ def test_matvec(qtype, wpr, rows):
         K.matvec(gw, xd, None, out)
         expect = w.astype(np.float64) @ x
     assert rel(out.get(), expect) < 1e-5
+
+
+@pytest.mark.parametrize("m,k", [(5003, 6144), (1, 2048)])
+@pytest.mark.parametrize("qtype", QUANT_TYPES, ids=lambda t: t.name)
+def test_matvec_stream(qtype, m, k):
+    """The streamed product: more row pairs than its persistent grid has blocks (each block goes round several
+    times, the last pair incomplete since m is odd), and a single row (half an iteration)."""
+    rng = np.random.default_rng()
+    raw, w = random_weight(qtype, m, k, rng)
+    gw = K.upload_weight("w", qtype, (m, k), raw)
+    x = rng.standard_normal(k).astype(np.float32)
+    xd = cp.asarray(x)
+    q8 = K.Q8.empty(k)
+    K.quantize_q8(xd, q8)
+    if m > 1000:
+        blocks = K._resident_blocks(f"matvec_stream_{gw.suffix}", k // 32)
+        assert blocks is not None and blocks * sources.STREAM_ROWS < m, "each block would take one iteration"
+    out = poisoned(m)
+    K.matvec(gw, xd, q8, out, "stream")
+    assert rel(out.get(), w.astype(np.float64) @ q8_input(x)) < 1e-5
 
 
 @pytest.mark.parametrize("act", [K.ACT_SILU, K.ACT_GELU_TANH])

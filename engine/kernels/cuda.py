@@ -70,14 +70,20 @@ _programmatic = [False]
 
 
 @functools.cache
+def _libcuda() -> ctypes.CDLL | None:
+    """The CUDA driver library under its Linux name, or None where it is not found."""
+    try:
+        return ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+
+
+@functools.cache
 def _launch_ex() -> Any:
     """The driver's cuLaunchKernelEx when this GPU supports programmatic dependent launch (sm_90+) and the driver
-    library is found under its Linux name (12.0 or newer), else None: kernels then launch the ordinary way."""
-    if _capability() < 90:
-        return None
-    try:
-        fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
-    except (OSError, AttributeError):
+    library has it (12.0 or newer), else None: kernels then launch the ordinary way."""
+    fn = getattr(_libcuda(), "cuLaunchKernelEx", None)
+    if _capability() < 90 or fn is None:
         return None
     fn.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
     fn.restype = ctypes.c_int
@@ -194,14 +200,18 @@ def quantize_q8(x: Any, q8: Q8) -> None:
 HEAVY_DECODE = (T.Q5_K, T.Q6_K)  # several loads and shifts a group (quant_blocks.cuh): their own kernel shapes
 
 
-def matvec_shape(m: int, k: int, qtype: T) -> tuple[int, int]:
-    """(warps per row set, rows per set) for an (m, k) product, from timings on an H200 (bench/gpu_kernels.py,
-    bench/RESULTS.md): types that decode a group from one 16-byte load (the 32-weight blocks, and Q4_K as laid
-    out on the GPU) gain from two rows sharing the loads of x and from two warps a row set except on very tall
-    matrices; Q5_K and Q6_K decode more per group and do best with one row, split over two warps only for long
+def matvec_shape(m: int, k: int, qtype: T) -> str | tuple[int, int]:
+    """matvec's kernel shape for an (m, k) product, from timings on an H200 (bench/gpu_kernels.py,
+    bench/RESULTS.md). Large products of the types that decode a group from one 16-byte load (the 32-weight
+    blocks, and Q4_K as laid out on the GPU) run streamed where their rows fit one block (8B QKV 6.44 to 5.46 us,
+    FFN down 13.24 to 12.63, output head 81.1 to 78.3; smaller ones were slower streamed); otherwise (warps per
+    row set, rows per set): two rows sharing the loads of x and two warps a row set except on very tall
+    matrices. Q5_K and Q6_K decode more per group and do best with one row, split over two warps only for long
     rows."""
     if qtype in HEAVY_DECODE:
         return (2 if k >= 8192 else 1), 1
+    if m * k >= 24 * 2**20 and k % 1024 == 0 and k <= 32 * 1024:
+        return "stream"
     return (1 if m >= 65536 else 2), (2 if m >= 3072 else 1)
 
 
@@ -218,17 +228,39 @@ def _shape_suffix(wpr: int, rows: int) -> str:
     return f"_w{wpr}" + ("_r2" if rows == 2 else "")
 
 
-def matvec(w: GpuWeight, x: Any, q8: Q8 | None, out: Any, shape: tuple[int, int] | None = None) -> None:
-    """out (m,) = w (m, k) . x (k,); quantized weights read q8 (quantize_q8 of x), float ones read x. shape =
-    (warps per row set, rows per set): the warps split the set's groups, the set's rows (1, or 2 with 1 or 2
-    warps) share their loads of x; matvec_shape picks it by default."""
+@functools.cache
+def _resident_blocks(name: str, threads: int) -> int | None:
+    """How many blocks of a kernel the whole GPU holds at once (the driver's occupancy answer), or None where the
+    driver library is not found."""
+    if _libcuda() is None:
+        return None
+    per_sm = ctypes.c_int()
+    status = _libcuda().cuOccupancyMaxActiveBlocksPerMultiprocessor(
+        ctypes.byref(per_sm), ctypes.c_void_p(kernel("matvec", name).kernel.ptr), ctypes.c_int(threads), ctypes.c_size_t(0))
+    if status != 0:
+        raise RuntimeError(f"the occupancy query for {name} failed with CUDA error {status}")
+    return per_sm.value * cupy.cuda.Device().attributes["MultiProcessorCount"]
+
+
+def matvec(w: GpuWeight, x: Any, q8: Q8 | None, out: Any, shape: str | tuple[int, int] | None = None) -> None:
+    """out (m,) = w (m, k) . x (k,); quantized weights read q8 (quantize_q8 of x), float ones read x. shape:
+    "stream" (matvec.cu matvec_stream: a block of k / 32 threads, k a multiple of 1024 up to 32768, so a
+    persistent grid of as many blocks as the GPU holds), or (warps per row set, rows per set): the warps split
+    the set's groups, the set's rows (1, or 2 with 1 or 2 warps) share their loads of x. matvec_shape picks it
+    by default."""
     m, k = w.shape
-    if w.quantized:
-        wpr, rows = shape or matvec_shape(m, k, w.qtype)
-        launch("matvec", f"matvec_{w.suffix}{_shape_suffix(wpr, rows)}", (_blocks(m * wpr, WARPS * rows),),
-               (32 * WARPS,), (*w.args(), *q8.args(), out, i32(m), i32(k)))
-    else:
+    if not w.quantized:
         launch("matvec", f"matvec_{w.suffix}", (_blocks(m, WARPS),), (32 * WARPS,), (w.data, x, out, i32(m), i32(k)))
+        return
+    shape = shape or matvec_shape(m, k, w.qtype)
+    args = (*w.args(), *q8.args(), out, i32(m), i32(k))
+    if shape == "stream":
+        name, blocks = f"matvec_stream_{w.suffix}", _blocks(m, sources.STREAM_ROWS)
+        launch("matvec", name, (min(blocks, _resident_blocks(name, k // 32) or blocks),), (k // 32,), args)
+        return
+    wpr, rows = shape
+    launch("matvec", f"matvec_{w.suffix}{_shape_suffix(wpr, rows)}", (_blocks(m * wpr, WARPS * rows),),
+           (32 * WARPS,), args)
 
 
 def matvec_glu(gate: GpuWeight, up: GpuWeight, x: Any, q8: Q8 | None, out: Any, act: int, q8_out: Q8 | None = None,

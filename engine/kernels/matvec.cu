@@ -176,6 +176,65 @@ __device__ __forceinline__ void matvec_glu_q8(const Planes* w, const signed char
     }
 FOR_EACH_QUANT(MATVEC_Q)
 
+// Streamed decode products, for large matrices: a persistent grid whose blocks have one thread per group of a row
+// (k / 32 threads), so each thread holds its group of x in registers for the whole kernel and its loop reads
+// weights only: STREAM_ROWS consecutive rows an iteration, their loads issued together, a block's rows
+// gridDim.x * STREAM_ROWS apart. The block's warps add up their row sums through shared memory (two buffers, so
+// one barrier an iteration). STREAM_ROWS comes from the compile options (engine/kernels/sources.py).
+template <class B>
+__device__ __forceinline__ void matvec_stream(const Planes& w, const signed char* xq, const signed char* xq2,
+                                              const float2* xds, float* __restrict__ out, int m, int k) {
+    constexpr int R = STREAM_ROWS;
+    __shared__ float part[2][32][R];
+    const int g = threadIdx.x, warp = g / 32, lane = g & 31, warps = blockDim.x / 32;
+    const long bpr = k / B::QK;
+    if (lane % 8 == 0)  // ask L2 for the lines of the first rows' quant bytes that this warp reads
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+            if (blockIdx.x * R + r < m)
+                asm volatile("prefetch.global.L2 [%0];" ::"l"(w.q + (blockIdx.x * R + r) * bpr * B::QB +
+                                                               g * (B::QB * 32 / B::QK)));
+    grid_dependency_sync();
+    const int4 xv[4] = {__ldg(reinterpret_cast<const int4*>(xq + 32 * g)),
+                        __ldg(reinterpret_cast<const int4*>(xq + 32 * g + 16)),
+                        __ldg(reinterpret_cast<const int4*>(xq2 + 32 * g)),
+                        __ldg(reinterpret_cast<const int4*>(xq2 + 32 * g + 16))};
+    const float2 ds = __ldg(xds + g);
+    int buf = 0;
+    for (int row0 = blockIdx.x * R; row0 < m; row0 += gridDim.x * R, buf ^= 1) {
+        float acc[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            acc[r] = 0.0f;
+            if (row0 + r < m) {
+                int q[8];
+                float sc[2], mn;
+                decode_group<B>(w, row0 + r, k, g, q, sc, mn);
+                acc[r] = group_dot(q, xv, sc, mn, ds);
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[r] = warp_sum(acc[r]);
+        if (lane == 0)
+#pragma unroll
+            for (int r = 0; r < R; ++r) part[buf][warp][r] = acc[r];
+        __syncthreads();
+        if (g < R && row0 + g < m) {
+            float total = 0.0f;
+            for (int s = 0; s < warps; ++s) total += part[buf][s][g];
+            out[row0 + g] = total;
+        }
+    }
+}
+
+#define MATVEC_STREAM(name, B)                                                                                 \
+    extern "C" __global__ void matvec_stream_##name(const u8* q, const u8* h, const u8* s, const u8* d,       \
+                                                    const signed char* xq, const signed char* xq2,            \
+                                                    const float2* xds, float* out, int m, int k) {            \
+        matvec_stream<B>({q, h, s, d}, xq, xq2, xds, out, m, k);                                               \
+    }
+FOR_EACH_QUANT(MATVEC_STREAM)
+
 // Float weights: x stays float32; each lane reads 8 weights (16 bytes for fp16/bf16) per step.
 template <class W, int NW>
 __device__ __forceinline__ void matvec_f(const typename W::T* const* w, const float* __restrict__ x,

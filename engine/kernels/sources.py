@@ -8,7 +8,8 @@ from pathlib import Path
 
 DIR = Path(__file__).parent
 HEADER = "quant_blocks.cuh"
-OPTIONS = ("-std=c++17",)
+STREAM_ROWS = 2  # rows an iteration of the streamed decode products (matvec.cu matvec_stream)
+OPTIONS = ("-std=c++17", f"-DSTREAM_ROWS={STREAM_ROWS}")
 
 
 def names() -> list[str]:
