@@ -200,6 +200,11 @@ def quantize_q8(x: Any, q8: Q8) -> None:
 HEAVY_DECODE = (T.Q5_K, T.Q6_K)  # several loads and shifts a group (quant_blocks.cuh): their own kernel shapes
 
 
+def streamable(k: int) -> bool:
+    """Whether rows of k weights fit matvec_stream's block of k / 32 threads (whole warps, at most 1024)."""
+    return k % 1024 == 0 and k <= 32 * 1024
+
+
 def matvec_shape(m: int, k: int, qtype: T) -> str | tuple[int, int]:
     """matvec's kernel shape for an (m, k) product, from timings on an H200 (bench/gpu_kernels.py,
     bench/RESULTS.md). Large products of the types that decode a group from one 16-byte load (the 32-weight
@@ -210,7 +215,7 @@ def matvec_shape(m: int, k: int, qtype: T) -> str | tuple[int, int]:
     rows."""
     if qtype in HEAVY_DECODE:
         return (2 if k >= 8192 else 1), 1
-    if m * k >= 24 * 2**20 and k % 1024 == 0 and k <= 32 * 1024:
+    if m * k >= 24 * 2**20 and streamable(k):
         return "stream"
     return (1 if m >= 65536 else 2), (2 if m >= 3072 else 1)
 
@@ -244,10 +249,9 @@ def _resident_blocks(name: str, threads: int) -> int | None:
 
 def matvec(w: GpuWeight, x: Any, q8: Q8 | None, out: Any, shape: str | tuple[int, int] | None = None) -> None:
     """out (m,) = w (m, k) . x (k,); quantized weights read q8 (quantize_q8 of x), float ones read x. shape:
-    "stream" (matvec.cu matvec_stream: a block of k / 32 threads, k a multiple of 1024 up to 32768, so a
-    persistent grid of as many blocks as the GPU holds), or (warps per row set, rows per set): the warps split
-    the set's groups, the set's rows (1, or 2 with 1 or 2 warps) share their loads of x. matvec_shape picks it
-    by default."""
+    "stream" (matvec.cu matvec_stream: a persistent grid of as many blocks of k / 32 threads as the GPU holds,
+    where streamable(k)), or (warps per row set, rows per set): the warps split the set's groups, the set's rows
+    (1, or 2 with 1 or 2 warps) share their loads of x. matvec_shape picks it by default."""
     m, k = w.shape
     if not w.quantized:
         launch("matvec", f"matvec_{w.suffix}", (_blocks(m, WARPS),), (32 * WARPS,), (w.data, x, out, i32(m), i32(k)))
@@ -255,6 +259,8 @@ def matvec(w: GpuWeight, x: Any, q8: Q8 | None, out: Any, shape: str | tuple[int
     shape = shape or matvec_shape(m, k, w.qtype)
     args = (*w.args(), *q8.args(), out, i32(m), i32(k))
     if shape == "stream":
+        if not streamable(k):
+            raise ValueError(f"a streamed product needs rows of a multiple of 1024 weights up to 32768, not {k}")
         name, blocks = f"matvec_stream_{w.suffix}", _blocks(m, sources.STREAM_ROWS)
         launch("matvec", name, (min(blocks, _resident_blocks(name, k // 32) or blocks),), (k // 32,), args)
         return
