@@ -112,6 +112,14 @@ def test_matvec_stream(qtype, m, k):
     assert rel(out.get(), w.astype(np.float64) @ q8_input(x)) < 1e-5
 
 
+def test_matvec_stream_refuses_rows_its_block_cannot_hold():
+    raw, _ = random_weight(T.Q4_0, 4, 576, np.random.default_rng())
+    gw = K.upload_weight("w", T.Q4_0, (4, 576), raw)
+    q8 = K.Q8.empty(576)
+    with pytest.raises(ValueError, match="multiple of 1024"):
+        K.matvec(gw, None, q8, poisoned(4), "stream")
+
+
 @pytest.mark.parametrize("act", [K.ACT_SILU, K.ACT_GELU_TANH])
 @pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_K, T.Q6_K, T.F16], ids=lambda t: t.name)
 def test_matvec_glu(qtype, act):
