@@ -97,7 +97,7 @@ class KVCache:
     """Keys and values of every layer, made by `Backend.kv_cache`.
 
     Layout: `k` and `v` have shape (n_layers, n_kv_heads, max_tokens, head_dim) and the backend's cache dtype.
-    Only `rope_store_kv` writes them and only `attention` reads them; the positions in use are the caller's
+    Only `rope_attention` writes and reads them; the positions in use are the caller's
     bookkeeping (the cache does not know its own length).
     """
 
@@ -235,7 +235,7 @@ class Backend(Protocol):
         float32 working space whose contents afterwards are unspecified.
         """
 
-    def rope_store_kv(
+    def rope_attention(
         self,
         q: Array,
         k: Array,
@@ -245,35 +245,23 @@ class Backend(Protocol):
         cache: KVCache,
         layer: int,
         start: Array,
-    ) -> None:
-        """Rotate q and k in place for positions start[0] + i, then store k and v in the cache.
-
-        q: (n, n_heads, head_dim) float32; k, v: (n, n_kv_heads, head_dim) float32 (views into the
-        projection outputs are fine). Only the first rope.rot_dim dims of each head rotate. style is
-        ROPE_NORMAL (pairs (2j, 2j+1) rotate by angle j) or ROPE_NEOX (pairs (j, j + rot_dim/2)):
-            (a, b) -> (a*cos - b*sin, a*sin + b*cos).
-        Afterwards cache.k[layer, :, start+i, :] = rotated k[i], cache.v[layer, :, start+i, :] = v[i].
-        The caller guarantees start[0] + n <= min(cache.max_tokens, rope.max_positions).
-        """
-
-    def attention(
-        self,
-        q: Array,
-        cache: KVCache,
-        layer: int,
-        start: Array,
         out: Array,
         scale: float,
         window: int = 0,
     ) -> None:
-        """Causal grouped-query attention of a chunk over the cache.
+        """Causal grouped-query attention of a chunk of n tokens at positions p = start[0] + i, with the rotary
+        embedding and the KV-cache write (one op, so a backend may fuse them).
 
-        q: (n, n_heads, head_dim) float32, already rotated (like in rope_store_kv it may be a view into the
-        fused QKV projection output, rows strided by its width); query i sits at position p = start[0] + i and
-        attends to cache positions j with j <= p (and j > p - window when window > 0, a sliding window).
-        n_heads must be a multiple of cache.n_kv_heads; query head h uses KV head h // (n_heads //
-        n_kv_heads). Scores are (q . k) * scale, softmax in float32.
-        out: (n, n_heads * head_dim) float32, head-major (head h in columns [h*head_dim, (h+1)*head_dim)).
+        q: (n, n_heads, head_dim) float32; k, v: (n, n_kv_heads, head_dim) float32 (views into the projection
+        output, rows strided by its width, are fine). Only the first rope.rot_dim dims of each head rotate. style
+        is ROPE_NORMAL (pairs (2j, 2j+1) rotate by angle j) or ROPE_NEOX (pairs (j, j + rot_dim/2)):
+            (a, b) -> (a*cos - b*sin, a*sin + b*cos).
+        Then cache.k[layer, :, p, :] = rotated k[i] and cache.v[layer, :, p, :] = v[i], and query i attends to
+        cache positions j <= p (and j > p - window when window > 0, a sliding window). n_heads must be a multiple
+        of cache.n_kv_heads; query head h uses KV head h // (n_heads // n_kv_heads). Scores are
+        (rotated q . k) * scale, softmax in float32. out: (n, n_heads * head_dim) float32, head-major (head h in
+        columns [h*head_dim, (h+1)*head_dim)). q and k may be left rotated or not.
+        The caller guarantees start[0] + n <= min(cache.max_tokens, rope.max_positions).
         """
 
     def sample(self, logits: Array, params: SamplingParams, recent_tokens: np.ndarray, uniform: float) -> int:

@@ -335,28 +335,25 @@ class CupyBackend:
                     buffer(f"{key}_ds", size // 16, cupy.float32).reshape(-1, 2))
 
     @_on_stream
-    def rope_store_kv(self, q, k, v, rope: RopeTable, style: str, cache: KVCache, layer: int, start) -> None:
+    def rope_attention(self, q, k, v, rope: RopeTable, style: str, cache: KVCache, layer: int, start, out,
+                       scale: float, window: int = 0) -> None:
         if style not in (ROPE_NORMAL, ROPE_NEOX):
             raise EngineError(f"Unknown rotary style {style!r}.")
-        self._q8_of = None
-        K.rope_store_kv(q, k, v, rope.cos, rope.sin, style == ROPE_NEOX, cache.k[layer], cache.v[layer], start)
-
-    @_on_stream
-    def attention(self, q, cache: KVCache, layer: int, start, out, scale: float, window: int = 0) -> None:
+        kc, vc, neox = cache.k[layer], cache.v[layer], style == ROPE_NEOX
         n, n_heads, hd = q.shape
-        if n == 1 and K.cluster_decode_attention():  # merged inside each head's cluster: no scratch
-            K.attention_decode(q, cache.k[layer], cache.v[layer], start, out, scale, window, self._quantize_output(out))
+        if n == 1 and K.cluster_decode_attention():  # one kernel, the splits merged inside each head's cluster
+            K.attention_decode(q, k, v, rope.cos, rope.sin, neox, kc, vc, start, out, scale, window,
+                               self._quantize_output(out))
             return
+        K.rope_store_kv(q, k, v, rope.cos, rope.sin, neox, kc, vc, start)
         z, wpq = K.attention_splits(n)
         size = n * n_heads * z * wpq * (hd + 2)  # partial results of the key-range splits
         if n == 1:
-            K.attention(q, cache.k[layer], cache.v[layer], start, out, scale, window,
-                        self._decode_buffer("attn_part", size, cupy.float32), self._quantize_output(out),
-                        self._decode_buffer("attn_done", n_heads, cupy.uint32, zeroed=True))
+            K.attention(q, kc, vc, start, out, scale, window, self._decode_buffer("attn_part", size, cupy.float32),
+                        self._quantize_output(out), self._decode_buffer("attn_done", n_heads, cupy.uint32, zeroed=True))
         else:
             self._q8_of = None
-            K.attention(q, cache.k[layer], cache.v[layer], start, out, scale, window,
-                        self._buffer("attn_part", size, cupy.float32))
+            K.attention(q, kc, vc, start, out, scale, window, self._buffer("attn_part", size, cupy.float32))
 
     def _decode_buffer(self, key: str, size: int, dtype: Any, zeroed: bool = False) -> Any:
         """Scratch a decode step uses: allocated on the step's first (uncaptured) run and never regrown after it,

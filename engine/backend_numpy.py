@@ -117,11 +117,11 @@ class NumpyBackend:
     def moe_ffn(self, x, gate_exps: NumpyWeight, up_exps: NumpyWeight, down_exps: NumpyWeight, ids, weights, out, scratch, activation: str = "silu") -> None:
         reference.moe_ffn(x, gate_exps.data, up_exps.data, down_exps.data, ids, weights, out, scratch, activation)
 
-    def rope_store_kv(self, q, k, v, rope: RopeTable, style: str, cache: KVCache, layer: int, start) -> None:
-        reference.rope_store_kv(q, k, v, rope.cos, rope.sin, style, cache.k[layer], cache.v[layer], int(start[0]))
-
-    def attention(self, q, cache: KVCache, layer: int, start, out, scale: float, window: int = 0) -> None:
-        reference.attention(q, cache.k[layer], cache.v[layer], int(start[0]), out, scale, window)
+    def rope_attention(self, q, k, v, rope: RopeTable, style: str, cache: KVCache, layer: int, start, out,
+                       scale: float, window: int = 0) -> None:
+        kc, vc, p = cache.k[layer], cache.v[layer], int(start[0])
+        reference.rope_store_kv(q, k, v, rope.cos, rope.sin, style, kc, vc, p)
+        reference.attention(q, kc, vc, p, out, scale, window)
 
     def sample(self, logits, params: SamplingParams, recent_tokens: np.ndarray, uniform: float) -> int:
         return reference.sample(logits, params, recent_tokens, uniform)

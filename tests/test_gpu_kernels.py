@@ -316,15 +316,51 @@ def test_attention(n, start, window, hd):
         K.attention(*tensors, out, scale, window, part, q8, done)
         assert rel(out.get(), expect) < 1e-5
         assert_q8_of(q8, out.get())
-        if K.cluster_decode_attention():  # one kernel, the splits merged inside each head's cluster
-            out[...] = np.nan
-            K.attention_decode(*tensors, out, scale, window)
-            assert rel(out.get(), expect) < 1e-5
-            q8 = K.Q8.empty(heads * hd)
-            out[...] = np.nan
-            K.attention_decode(*tensors, out, scale, window, q8)
-            assert rel(out.get(), expect) < 1e-5
-            assert_q8_of(q8, out.get())
+
+
+@pytest.mark.skipif(not K.cluster_decode_attention(), reason="attention_decode needs sm_90 or newer")
+@pytest.mark.parametrize("start,window,hd,neox,rot", [(0, 0, 64, False, 64), (300, 0, 128, False, 128),
+                                                      (300, 100, 64, True, 48), (2000, 0, 128, True, 128),
+                                                      (200, 0, 256, False, 192), (45, 0, 256, True, 256)])
+def test_attention_decode(start, window, hd, neox, rot):
+    """One token's rotary embedding, cache write and attention in one kernel, against rope_store_kv then
+    attention in the reference (keys and values rounded to the cache's fp16 as the kernel uses them)."""
+    rng = np.random.default_rng()
+    heads, kv, max_tokens = 8, 2, 2048
+    qkv = rng.standard_normal((1, (heads + 2 * kv) * hd + 16)).astype(np.float32)
+    inv_freq = (1.0 / 10000 ** (np.arange(0, rot, 2) / rot)).astype(np.float32)
+    cos, sin = reference.rope_tables(inv_freq, max_tokens)
+    kc = rng.standard_normal((kv, max_tokens, hd)).astype(np.float16)
+    vc = rng.standard_normal((kv, max_tokens, hd)).astype(np.float16)
+
+    def split(buf):
+        return (buf[:, : heads * hd].reshape(1, heads, hd), buf[:, heads * hd : (heads + kv) * hd].reshape(1, kv, hd),
+                buf[:, (heads + kv) * hd : (heads + 2 * kv) * hd].reshape(1, kv, hd))
+
+    q, k, v = split(qkv.copy())
+    kc_ref, vc_ref = kc.astype(np.float32), vc.astype(np.float32)
+    reference.rope_store_kv(q, k, v, cos, sin, "neox" if neox else "normal", kc_ref, vc_ref, start)
+    kc_ref, vc_ref = (c.astype(np.float16).astype(np.float32) for c in (kc_ref, vc_ref))
+    expect = np.empty((1, heads * hd), np.float32)
+    scale = 1 / np.sqrt(hd)
+    reference.attention(q, kc_ref, vc_ref, start, expect, scale, window)
+
+    kc_dev, vc_dev = cp.asarray(kc), cp.asarray(vc)
+    args = (*split(cp.asarray(qkv)), cp.asarray(cos), cp.asarray(sin), neox, kc_dev, vc_dev,
+            cp.asarray([start], cp.int32))
+    out = poisoned((1, heads * hd))
+    K.attention_decode(*args, out, scale, window)
+    assert rel(out.get(), expect) < 1e-5
+    assert rel(kc_dev.get()[:, start], kc_ref[:, start]) < 1e-3
+    assert np.array_equal(vc_dev.get()[:, start], vc_ref[:, start].astype(np.float16))
+    others = np.arange(max_tokens) != start
+    assert np.array_equal(kc_dev.get()[:, others], kc[:, others]), "only the token's own cache row is written"
+    assert np.array_equal(vc_dev.get()[:, others], vc[:, others])
+    q8 = K.Q8.empty(heads * hd)
+    out[...] = np.nan
+    K.attention_decode(*args, out, scale, window, q8)  # again (as a graph replays): the same result
+    assert rel(out.get(), expect) < 1e-5
+    assert_q8_of(q8, out.get())
 
 
 def test_argmax_and_repeat_penalty():

@@ -128,8 +128,7 @@ def forward(
         else:
             backend.add_rms_norm(delta, x, layer.attn_norm, c.rms_eps, h)
         _project_qkv(backend, layer, h, qkv, c)
-        backend.rope_store_kv(q, k, v, weights.rope, ROPE_NORMAL, cache, i, ws.start)
-        backend.attention(q, cache, i, ws.start, attn, scale)
+        backend.rope_attention(q, k, v, weights.rope, ROPE_NORMAL, cache, i, ws.start, attn, scale)
         backend.linear(attn, layer.attn_out, delta)
         backend.add_rms_norm(delta, x, layer.ffn_norm, c.rms_eps, h)
         backend.gated_ffn(h, layer.gate, layer.up, ws.ffn[:n], ws.ffn_scratch[:n], "silu")

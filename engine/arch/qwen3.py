@@ -167,8 +167,7 @@ def attention_block(
     if c.qk_norm:
         backend.rms_norm(q, a.q_norm, c.rms_eps, q)
         backend.rms_norm(k, a.k_norm, c.rms_eps, k)
-    backend.rope_store_kv(q, k, v, rope, ROPE_NEOX, cache, i, ws.start)
-    backend.attention(q, cache, i, ws.start, ws.attn[:n], scale, window)
+    backend.rope_attention(q, k, v, rope, ROPE_NEOX, cache, i, ws.start, ws.attn[:n], scale, window)
     backend.linear(ws.attn[:n], a.attn_out, ws.delta[:n])
 
 

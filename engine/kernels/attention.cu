@@ -4,7 +4,8 @@
 // blocks, a prompt chunk's queries take one warp each (four consecutive queries of a head per block share their
 // K/V rows through L1). The splits are then merged and normalized: for decode by the head's 8 blocks as one
 // cluster (attention_decode, sm_90+) or by the head's last block to finish (older GPUs), either of which also
-// quantizes the output for the output projection; for a prompt chunk by attention_combine.
+// quantizes the output for the output projection; for a prompt chunk by attention_combine. attention_decode
+// also does rope_store_kv's work for its token (rotating q and k, storing k and v), which saves that launch.
 //
 // Key ranges come from start[0] in device memory, so one captured graph serves every position; splits past
 // the range are empty and leave max = -inf, sum = 0.
@@ -112,17 +113,58 @@ __device__ __forceinline__ void warp_attend(const float* qs, const u16* __restri
     }
 }
 
+// This decode step's own token, for attention_decode, which fuses the rotary embedding and the cache write: its k
+// and v as the QKV projection left them (k not yet rotated), the rotary table rows of its position (rope.cu's
+// rot and style), and where this block stores them in the cache (null in all but one q head of each KV group).
+struct NewToken {
+    const float *k, *v, *cos, *sin;
+    int rot, neox;
+    u16 *k_store, *v_store;
+};
+
+// Fold the step's own token into a warp's online softmax (see warp_attend): its key rotated, and key and value
+// rounded to fp16 as the cache holds them, which they are also stored to when nt says so.
+template <int HD>
+__device__ __forceinline__ void attend_new_token(const float* qs, const NewToken& nt, float (&acc)[HD / 32],
+                                                 float& m, float& l) {
+    const int lane = threadIdx.x & 31;
+    float dot = 0.0f, vals[HD / 32];
+#pragma unroll
+    for (int c = 0; c < HD / 64; ++c) {
+        const int d = 64 * c + 2 * lane;
+        const u16 k0 = f2h(rotated(nt.k, d, nt.rot, nt.neox, nt.cos, nt.sin));
+        const u16 k1 = f2h(rotated(nt.k, d + 1, nt.rot, nt.neox, nt.cos, nt.sin));
+        const u16 v0 = f2h(nt.v[d]), v1 = f2h(nt.v[d + 1]);
+        if (nt.k_store != nullptr) {
+            reinterpret_cast<u32*>(nt.k_store)[32 * c + lane] = k0 | (u32)k1 << 16;
+            reinterpret_cast<u32*>(nt.v_store)[32 * c + lane] = v0 | (u32)v1 << 16;
+        }
+        dot = fmaf(qs[d + 1], h2f(k1), fmaf(qs[d], h2f(k0), dot));
+        vals[2 * c] = h2f(v0);
+        vals[2 * c + 1] = h2f(v1);
+    }
+    const float s = warp_sum(dot);
+    const float m_new = fmaxf(m, s);
+    const float corr = exp2f(m - m_new), p = exp2f(s - m_new);
+    l = l * corr + p;
+#pragma unroll
+    for (int i = 0; i < HD / 32; ++i) acc[i] = fmaf(p, vals[i], acc[i] * corr);
+    m = m_new;
+}
+
 // Warp `warp` of the block attends query qi of head `head` over split `split` of n_splits of its key range,
 // leaving the unnormalized output acc, the max m and the sum l (see warp_attend). HD is the head dimension (64,
 // 128 or 256): a compile-time size lets the loads of a key row and of a value tile be issued together rather
-// than one dependent load at a time. PRELOAD: load the first key before waiting for the kernel before (it then
-// stays in registers across the wait: twice the registers, which the one-wave decode grid can afford).
-template <int HD, bool PRELOAD>
+// than one dependent load at a time. DECODE (attention_decode): load the first key before waiting for the kernel
+// before (it then stays in registers across the wait: twice the registers, which the one-wave decode grid can
+// afford), and rotate q and take the step's own key and value from nt rather than from the cache.
+template <int HD, bool DECODE>
 __device__ __forceinline__ void attend_split(const float* __restrict__ q, long q_stride,
                                              const u16* __restrict__ k_cache, const u16* __restrict__ v_cache,
                                              int max_tokens, int n_heads, int n_kv, const int* __restrict__ start,
                                              int n, int window, float scale_log2, int qi, int head, int split,
-                                             int n_splits, float (&acc)[HD / 32], float& m, float& l) {
+                                             int n_splits, const NewToken& nt, float (&acc)[HD / 32], float& m,
+                                             float& l) {
     __shared__ float qs[4][HD];
     const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
     const int kvh = head / (n_heads / n_kv);
@@ -132,30 +174,32 @@ __device__ __forceinline__ void attend_split(const float* __restrict__ q, long q
     const int per = (len + n_splits - 1) / n_splits;
     const int lo = first + split * per;
     const int hi = min(lo + per, pos + 1);
+    const int cached_hi = DECODE ? min(hi, pos) : hi;  // the cache holds the decode step's own token only later
     const u16* kbase = k_cache + (long)kvh * max_tokens * HD;
     const u16* vbase = v_cache + (long)kvh * max_tokens * HD;
-    // Keys and values before start[0] (set before the step) are cached before the kernel before this one runs,
-    // which writes the chunk's own. So while it finishes, a decode warp asks L2 for its rows (and with PRELOAD
-    // loads the first key it scores).
+    // Keys and values before start[0] (set before the step) are cached before the kernel before this one runs.
+    // So while it finishes, a decode warp asks L2 for its rows (and with DECODE loads the first key it scores).
     if (n == 1) {
         const char* kb = reinterpret_cast<const char*>(kbase + (long)lo * HD);
         const char* vb = reinterpret_cast<const char*>(vbase + (long)lo * HD);
-        for (long off = 128L * lane; off < (long)(hi - lo) * HD * 2; off += 32 * 128) {
+        for (long off = 128L * lane; off < (long)(cached_hi - lo) * HD * 2; off += 32 * 128) {
             asm volatile("prefetch.global.L2 [%0];" ::"l"(kb + off));
             asm volatile("prefetch.global.L2 [%0];" ::"l"(vb + off));
         }
     }
-    const int ready = start[0];
     uint4 kv[HD / 8];
-    if (PRELOAD && lo + lane < min(hi, ready)) load_key<HD>(kbase, lo + lane, kv);
+    if (DECODE && lo + lane < cached_hi) load_key<HD>(kbase, lo + lane, kv);
     grid_dependency_sync();
-    if (PRELOAD && lo + lane >= ready && lo + lane < hi) load_key<HD>(kbase, lo + lane, kv);
 
     const float* qr = q + qi * q_stride + (long)head * HD;
 #pragma unroll
-    for (int i = 0; i < HD / 32; ++i) qs[warp][lane + 32 * i] = qr[lane + 32 * i] * scale_log2;
+    for (int i = 0; i < HD / 32; ++i) {
+        const int d = lane + 32 * i;
+        qs[warp][d] = (DECODE ? rotated(qr, d, nt.rot, nt.neox, nt.cos, nt.sin) : qr[d]) * scale_log2;
+    }
     __syncwarp();
-    warp_attend<HD, PRELOAD>(qs[warp], kbase, vbase, lo, hi, kv, acc, m, l);
+    warp_attend<HD, DECODE>(qs[warp], kbase, vbase, lo, cached_hi, kv, acc, m, l);
+    if (DECODE && lo <= pos && pos < hi) attend_new_token<HD>(qs[warp], nt, acc, m, l);
 }
 
 template <int HD>
@@ -174,7 +218,7 @@ __device__ __forceinline__ void attention_partial_impl(const float* __restrict__
     if (qi >= n) return;
     float acc[HD / 32], m, l;
     attend_split<HD, false>(q, q_stride, k_cache, v_cache, max_tokens, n_heads, n_kv, start, n, window,
-                            scale_log2, qi, head, split, n_splits, acc, m, l);
+                            scale_log2, qi, head, split, n_splits, NewToken{}, acc, m, l);
     float* mine = part + (((long)qi * n_heads + head) * n_splits + split) * (HD + 2);
 #pragma unroll
     for (int c = 0; c < HD / 64; ++c)
@@ -215,7 +259,7 @@ ATTENTION_PARTIAL(256)
 // Decode on sm_90 and newer: a head's ATTN_CLUSTER blocks (grid z) form a thread-block cluster, which merges the
 // splits through the blocks' shared memory (a cluster barrier, then reads of the other blocks' partial results)
 // instead of through global memory, a fence and a counter; each warp also loads its first key before the wait
-// (attend_split's PRELOAD). On an H200 the decode step went from 0.556 to 0.500 ms (SmolLM2-135M), 0.539 to 0.531
+// (attend_split's DECODE). On an H200 the decode step went from 0.556 to 0.500 ms (SmolLM2-135M), 0.539 to 0.531
 // (1.2B) and 2.023 to 2.020 (8B); the same preload on the last-block path was slower on the 8B (bench/RESULTS.md).
 #define ATTN_CLUSTER 8
 
@@ -235,19 +279,26 @@ __device__ __forceinline__ float ld_cluster(const float* p, u32 rank) {
 }
 
 template <int HD>
-__device__ __forceinline__ void attention_decode_impl(const float* q, const u16* k_cache, const u16* v_cache,
-                                                      int max_tokens, int n_heads, int n_kv, const int* start,
-                                                      int window, float scale_log2, float* out, signed char* xq,
-                                                      signed char* xq2, float2* xds) {
+__device__ __forceinline__ void attention_decode_impl(const float* q, const float* k_new, const float* v_new,
+                                                      const float* cos_t, const float* sin_t, int rot, int neox,
+                                                      u16* k_cache, u16* v_cache, int max_tokens, int n_heads,
+                                                      int n_kv, const int* start, int window, float scale_log2,
+                                                      float* out, signed char* xq, signed char* xq2, float2* xds) {
     constexpr int N_SPLITS = 4 * ATTN_CLUSTER;
     __shared__ float part[4][HD + 2];  // this block's warps' acc, m, l
     const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
     const int head = blockIdx.x;
+    const int group = n_heads / n_kv, kvh = head / group, pos = start[0];
+    const long row = ((long)kvh * max_tokens + pos) * HD;
+    const bool store = head % group == 0;
+    const NewToken nt = {k_new + (long)kvh * HD, v_new + (long)kvh * HD, cos_t + (long)pos * (rot / 2),
+                         sin_t + (long)pos * (rot / 2), rot, neox, store ? k_cache + row : nullptr,
+                         store ? v_cache + row : nullptr};
     u32 rank;
     asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
     float acc[HD / 32], m, l;
     attend_split<HD, true>(q, 0, k_cache, v_cache, max_tokens, n_heads, n_kv, start, 1, window, scale_log2, 0,
-                           head, 4 * rank + warp, N_SPLITS, acc, m, l);
+                           head, 4 * rank + warp, N_SPLITS, nt, acc, m, l);
 #pragma unroll
     for (int c = 0; c < HD / 64; ++c)
         reinterpret_cast<float2*>(&part[warp][64 * c])[lane] = make_float2(acc[2 * c], acc[2 * c + 1]);
@@ -282,11 +333,11 @@ __device__ __forceinline__ void attention_decode_impl(const float* q, const u16*
 
 #define ATTENTION_DECODE(HD)                                                                                   \
     extern "C" __global__ void __cluster_dims__(1, 1, ATTN_CLUSTER) attention_decode_##HD(                    \
-        const float* q, const u16* k_cache, const u16* v_cache, int max_tokens, int n_heads, int n_kv,        \
-        const int* start, int window, float scale_log2, float* out, signed char* xq, signed char* xq2,        \
-        float2* xds) {                                                                                         \
-        attention_decode_impl<HD>(q, k_cache, v_cache, max_tokens, n_heads, n_kv, start, window, scale_log2,  \
-                                  out, xq, xq2, xds);                                                          \
+        const float* q, const float* k_new, const float* v_new, const float* cos_t, const float* sin_t, int rot, \
+        int neox, u16* k_cache, u16* v_cache, int max_tokens, int n_heads, int n_kv, const int* start,         \
+        int window, float scale_log2, float* out, signed char* xq, signed char* xq2, float2* xds) {          \
+        attention_decode_impl<HD>(q, k_new, v_new, cos_t, sin_t, rot, neox, k_cache, v_cache, max_tokens,      \
+                                  n_heads, n_kv, start, window, scale_log2, out, xq, xq2, xds);               \
     }
 ATTENTION_DECODE(64)
 ATTENTION_DECODE(128)

@@ -449,7 +449,7 @@ def rope_store_kv(q, k, v, cos, sin, neox: bool, k_cache, v_cache, start) -> Non
     n, n_heads, hd = q.shape
     n_kv = k.shape[1]
     rot = 2 * cos.shape[1]
-    launch("rope", "rope_store_kv", (n, n_heads + n_kv), (max(32, min(128, hd // 2)),),
+    launch("rope", "rope_store_kv", (n, n_heads + n_kv), (hd,),
            (q, k, v, i64(q.strides[0] // 4), i64(k.strides[0] // 4), i64(v.strides[0] // 4), i32(n_heads), i32(n_kv),
             i32(hd), i32(rot), cos, sin, i32(1 if neox else 0), k_cache, v_cache, i32(k_cache.shape[1]), start))
 
@@ -465,15 +465,17 @@ def cluster_decode_attention() -> bool:
     return _capability() >= 90
 
 
-def attention_decode(q, k_cache, v_cache, start, out, scale: float, window: int, q8: Q8 | None = None) -> None:
-    """One query (q (1, H, hd) strided view, out (1, H*hd)) in one kernel with no scratch: each head's
+def attention_decode(q, k, v, cos, sin, neox: bool, k_cache, v_cache, start, out, scale: float, window: int,
+                     q8: Q8 | None = None) -> None:
+    """One token's rope_store_kv and attention in one kernel with no scratch: q (1, H, hd), k, v (1, KV, hd)
+    strided views, as the QKV projection left them (neither is rotated in place); out (1, H*hd). Each head's
     ATTN_Z_SPLITS blocks are one cluster (attention.cu ATTN_CLUSTER), which merges their 32 splits, and with q8
     also quantizes the output for the output projection. Needs cluster_decode_attention()."""
     _, n_heads, hd = q.shape
     n_kv, max_tokens = k_cache.shape[0], k_cache.shape[1]
     launch("attention", f"attention_decode_{hd}", (n_heads, 1, ATTN_Z_SPLITS), (128,),
-           (q, k_cache, v_cache, i32(max_tokens), i32(n_heads), i32(n_kv), start, i32(window),
-            f32(scale * LOG2_E), out, *q8_args(q8)))
+           (q, k, v, cos, sin, i32(2 * cos.shape[1]), i32(1 if neox else 0), k_cache, v_cache, i32(max_tokens),
+            i32(n_heads), i32(n_kv), start, i32(window), f32(scale * LOG2_E), out, *q8_args(q8)))
 
 
 def counters(n: int) -> Any:

@@ -311,6 +311,17 @@ __device__ __forceinline__ float activate(float g, int act) { return act == 0 ? 
 
 #define NEG_INF __int_as_float(0xff800000)
 
+// Dim d of a head x after the rotary embedding with angle row (c, s) of its position (half = rot / 2 angles).
+// style 0 ("normal", llama GGUF): pair j is dims (2j, 2j+1); style 1 ("neox"): dims (j, j + rot/2); a pair (a, b)
+// becomes (a cos - b sin, a sin + b cos). Dims at and past rot pass through unchanged.
+__device__ __forceinline__ float rotated(const float* x, int d, int rot, int neox, const float* c, const float* s) {
+    if (d >= rot) return x[d];
+    const int half = rot / 2;
+    const int j = neox ? d % half : d / 2;
+    const float a = x[neox ? j : 2 * j], b = x[neox ? j + half : 2 * j + 1];
+    return (neox ? d < half : (d & 1) == 0) ? a * c[j] - b * s[j] : a * s[j] + b * c[j];
+}
+
 // Two-level int8 quantization of one group of 32 activations, value v in lane (threadIdx.x & 31), group g:
 //   q = rint(v * 127 / amax), d = amax / 127, then the remainder r = v - q d as q2 = rint(r * 254 / d), so
 //   v ~= d * (q + q2 / 254) within d / 508 (1.5e-5 of amax), and s = d * (254 sum(q) + sum(q2)) / 254.
