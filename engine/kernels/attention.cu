@@ -2,20 +2,37 @@
 //
 // attention_partial: each warp one (query, head, split) item; a decode query spreads its keys over 32 warps of 8
 // blocks, a prompt chunk's queries take one warp each (four consecutive queries of a head per block share their
-// K/V rows through L1). The splits are then merged and normalized: for decode by the head's 8 blocks as one
-// cluster (attention_decode, sm_90+) or by the head's last block to finish (older GPUs), either of which also
-// quantizes the output for the output projection; for a prompt chunk by attention_combine. attention_decode
-// also does rope_store_kv's work for its token (rotating q and k, storing k and v), which saves that launch.
+// K/V rows through L1). The splits are then merged and normalized (merge_splits): for decode by the head's 8
+// blocks as one cluster (attention_decode, sm_90+) or by the head's last block to finish (older GPUs), either of
+// which also quantizes the output for the output projection; for a prompt chunk by attention_combine.
+// attention_decode also does rope_store_kv's work for its token (rotating q and k, storing k and v), which saves
+// that launch.
 //
 // Key ranges come from start[0] in device memory, so one captured graph serves every position; splits past
 // the range are empty and leave max = -inf, sum = 0.
 
 #define MAX_SPLITS 64
 
-// Merge the n_splits partial results p of one (query, head): out[d] = sum_s acc_s[d] 2^(m_s - M) / sum_s l_s
-// 2^(m_s - M), the block's threads over the dims (a whole warp per 32 of them). With xq each warp also quantizes
-// its 32 outputs (groups first_group ..) for the output projection. Reads through L2 (__ldcg): in the fused
-// decode form other blocks wrote p during this kernel.
+// One output dim merged from n_splits partial results: sum_s value(s) 2^(m_s - M) / sum_s l_s 2^(m_s - M), M the
+// largest m_s (an empty split, max -inf and sum 0, adds nothing). m and l: the splits' maxima and sums.
+template <class Value>
+__device__ __forceinline__ float merge_splits(const float* m, const float* l, int n_splits, Value value) {
+    float mx = NEG_INF;
+    for (int s = 0; s < n_splits; ++s) mx = fmaxf(mx, m[s]);
+    float num = 0.0f, den = 0.0f;
+#pragma unroll 32  // a decode query's 32 splits: every load issued before the first is used
+    for (int s = 0; s < n_splits; ++s) {
+        const float f = exp2f(m[s] - mx);
+        den += l[s] * f;
+        num += value(s) * f;
+    }
+    return num / den;
+}
+
+// Merge the n_splits partial results p of one (query, head) (each acc[hd], m, l), the block's threads over the
+// dims (a whole warp per 32 of them). With xq each warp also quantizes its 32 outputs (groups first_group ..) for
+// the output projection. Reads through L2 (__ldcg): in the last-block decode form other blocks wrote p during
+// this kernel.
 __device__ __forceinline__ void combine_splits(const float* p, int n_splits, int hd, float* out, signed char* xq,
                                                signed char* xq2, float2* xds, long first_group) {
     __shared__ float sm[MAX_SPLITS], sl[MAX_SPLITS];
@@ -24,35 +41,62 @@ __device__ __forceinline__ void combine_splits(const float* p, int n_splits, int
         sl[s] = __ldcg(p + s * (hd + 2) + hd + 1);
     }
     __syncthreads();
-    float mx = NEG_INF;
-    for (int s = 0; s < n_splits; ++s) mx = fmaxf(mx, sm[s]);
     for (int d0 = 0; d0 + (int)(threadIdx.x & ~31u) < hd; d0 += blockDim.x) {  // whole warps
         const int d = d0 + threadIdx.x;
-        float num = 0.0f, den = 0.0f;
-#pragma unroll 32  // a decode query's 32 splits: every load issued before the first is used
-        for (int s = 0; s < n_splits; ++s) {
-            const float f = exp2f(sm[s] - mx);  // 0 for an empty split (max -inf, sum 0, output 0)
-            den += sl[s] * f;
-            num += __ldcg(p + s * (hd + 2) + d) * f;
-        }
-        out[d] = num / den;
-        if (xq != nullptr) quantize_group(num / den, first_group + d / 32, xq, xq2, xds);
+        const float o = merge_splits(sm, sl, n_splits, [&](int s) { return __ldcg(p + s * (hd + 2) + d); });
+        out[d] = o;
+        if (xq != nullptr) quantize_group(o, first_group + d / 32, xq, xq2, xds);
     }
 }
 
-// Key row j of a head (HD fp16) into registers.
+// A warp holds 32 keys of a head as HD / 8 loads of 16 bytes a lane: HD / 8 consecutive lanes read one key row
+// (a lane 8 dims), so each load instruction reads whole rows. (One row a lane touched 32 rows an instruction: on
+// an H200, 8B-shaped decode attention took 9.94 us that way and 8.88 coalesced, bench/RESULTS.md.)
+// kv[i] holds dims 8 (lane % LPK) .. + 7 of key j0 + i * KPI + lane / LPK (when below hi).
 template <int HD>
-__device__ __forceinline__ void load_key(const u16* __restrict__ kbase, int j, uint4 (&kv)[HD / 8]) {
-    const uint4* kr = reinterpret_cast<const uint4*>(kbase + (long)j * HD);
+struct KeyTile {
+    static constexpr int LPK = HD / 8;   // lanes a key row
+    static constexpr int KPI = 32 / LPK;  // key rows a load instruction
+    static constexpr int N = HD / 8;      // loads for 32 keys
+
+    __device__ static void load(const u16* __restrict__ kbase, int j0, int hi, uint4 (&kv)[N]) {
+        const int lane = threadIdx.x & 31;
 #pragma unroll
-    for (int c = 0; c < HD / 8; ++c) kv[c] = __ldg(kr + c);
-}
+        for (int i = 0; i < N; ++i) {
+            const int j = j0 + i * KPI + lane / LPK;
+            if (j < hi) kv[i] = __ldg(reinterpret_cast<const uint4*>(kbase + (long)j * HD) + lane % LPK);
+        }
+    }
+
+    // Lane L's score: q . key j0 + L (NEG_INF past hi); q8 holds the query's dims 8 (lane % LPK) .. + 7.
+    __device__ static float scores(const float (&q8)[8], const uint4 (&kv)[N], int j0, int hi) {
+        const int lane = threadIdx.x & 31;
+        float s = NEG_INF;
+#pragma unroll
+        for (int i = 0; i < N; ++i) {
+            float part = 0.0f;
+            if (j0 + i * KPI + lane / LPK < hi) {
+                const u32 w[4] = {kv[i].x, kv[i].y, kv[i].z, kv[i].w};
+#pragma unroll
+                for (int t = 0; t < 4; ++t) {
+                    part = fmaf(q8[2 * t], h2f((u16)(w[t] & 0xFFFF)), part);
+                    part = fmaf(q8[2 * t + 1], h2f((u16)(w[t] >> 16)), part);
+                }
+            }
+#pragma unroll
+            for (int o = LPK / 2; o > 0; o >>= 1) part += __shfl_xor_sync(0xFFFFFFFFu, part, o);
+            const float mine = __shfl_sync(0xFFFFFFFFu, part, (lane % KPI) * LPK);
+            if (i == lane / KPI && j0 + lane < hi) s = mine;
+        }
+        return s;
+    }
+};
 
 // One warp's share of attention for one query: keys lo..hi-1, 32 at a time (lane j scores key j, then every
 // lane accumulates the weighted values of its own dims), online softmax in base 2. qs: the query times
 // scale * log2(e). Leaves the unnormalized output, the max m and the sum l; acc[2 c + e] is dim 64 c + 2 lane + e
 // (each lane reads the values two fp16 at a time).
-// With PRELOADED, kv holds key lo + lane (when below hi), loaded by the caller; other keys are loaded here.
+// With PRELOADED, kv holds keys lo .. lo + 31 (KeyTile), loaded by the caller; other keys are loaded here.
 template <int HD, bool PRELOADED>
 __device__ __forceinline__ void warp_attend(const float* qs, const u16* __restrict__ kbase,
                                             const u16* __restrict__ vbase, int lo, int hi, uint4 (&kv)[HD / 8],
@@ -66,23 +110,13 @@ __device__ __forceinline__ void warp_attend(const float* qs, const u16* __restri
     for (int i = 0; i < 2 * WPL; ++i) acc[i] = 0.0f;
     m = NEG_INF;
     l = 0.0f;
+    float q8[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) q8[e] = qs[8 * (lane % KeyTile<HD>::LPK) + e];
     for (int j0 = lo; j0 < hi; j0 += 32) {
         const int j = j0 + lane;
-        float s = NEG_INF;
-        if ((!PRELOADED || j0 > lo) && j < hi) load_key<HD>(kbase, j, kv);
-        if (j < hi) {
-            float dot[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // four chains, not one 128-long chain of dependent FMAs
-#pragma unroll
-            for (int c = 0; c < HD / 8; ++c) {
-                const u32 w[4] = {kv[c].x, kv[c].y, kv[c].z, kv[c].w};
-#pragma unroll
-                for (int t = 0; t < 4; ++t) {
-                    dot[t] = fmaf(qs[8 * c + 2 * t], h2f((u16)(w[t] & 0xFFFF)), dot[t]);
-                    dot[t] = fmaf(qs[8 * c + 2 * t + 1], h2f((u16)(w[t] >> 16)), dot[t]);
-                }
-            }
-            s = (dot[0] + dot[1]) + (dot[2] + dot[3]);
-        }
+        if (!PRELOADED || j0 > lo) KeyTile<HD>::load(kbase, j0, hi, kv);
+        const float s = KeyTile<HD>::scores(q8, kv, j0, hi);
         const float m_new = fmaxf(m, warp_max(s));
         const float corr = exp2f(m - m_new);
         const float p = j < hi ? exp2f(s - m_new) : 0.0f;
@@ -188,7 +222,7 @@ __device__ __forceinline__ void attend_split(const float* __restrict__ q, long q
         }
     }
     uint4 kv[HD / 8];
-    if (DECODE && lo + lane < cached_hi) load_key<HD>(kbase, lo + lane, kv);
+    if (DECODE) KeyTile<HD>::load(kbase, lo, cached_hi, kv);
     grid_dependency_sync();
 
     const float* qr = q + qi * q_stride + (long)head * HD;
@@ -257,25 +291,21 @@ ATTENTION_PARTIAL(256)
 
 #if __CUDA_ARCH__ >= 900
 // Decode on sm_90 and newer: a head's ATTN_CLUSTER blocks (grid z) form a thread-block cluster, which merges the
-// splits through the blocks' shared memory (a cluster barrier, then reads of the other blocks' partial results)
-// instead of through global memory, a fence and a counter; each warp also loads its first key before the wait
-// (attend_split's DECODE). On an H200 the decode step went from 0.556 to 0.500 ms (SmolLM2-135M), 0.539 to 0.531
-// (1.2B) and 2.023 to 2.020 (8B); the same preload on the last-block path was slower on the 8B (bench/RESULTS.md).
+// splits through the blocks' shared memory instead of through global memory, a fence and a counter; each warp also
+// loads its first keys before the wait (attend_split's DECODE). Every warp pushes its partial result into the
+// shared memory of the blocks that merge it (block r merges dims 32 r .. 32 r + 31), so one cluster barrier
+// separates the pushes from the merge and no block waits for the others' merges before it exits.
 #define ATTN_CLUSTER 8
 
-__device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
+// Arrive at / wait on the cluster barrier in two halves: work between them overlaps the other blocks' arrival.
+__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
 
-// The float at p (this block's shared memory) in block `rank` of the cluster.
-__device__ __forceinline__ float ld_cluster(const float* p, u32 rank) {
+// Store v at p (a shared-memory address of this block) in block `rank` of the cluster.
+__device__ __forceinline__ void st_cluster(float* p, u32 rank, float v) {
     u32 addr;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
-                 : "=r"(addr)
-                 : "r"((u32)__cvta_generic_to_shared(p)), "r"(rank));
-    float v;
-    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(addr));
-    return v;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(addr) : "r"((u32)__cvta_generic_to_shared(p)), "r"(rank));
+    asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(addr), "f"(v) : "memory");
 }
 
 template <int HD>
@@ -285,7 +315,12 @@ __device__ __forceinline__ void attention_decode_impl(const float* q, const floa
                                                       int n_kv, const int* start, int window, float scale_log2,
                                                       float* out, signed char* xq, signed char* xq2, float2* xds) {
     constexpr int N_SPLITS = 4 * ATTN_CLUSTER;
-    __shared__ float part[4][HD + 2];  // this block's warps' acc, m, l
+    static_assert(HD / 32 <= ATTN_CLUSTER, "one block merges each 32 dims");
+    // In block r: split s's output on dims 32 r + i, its max and its sum (the merge's inputs, pushed by every warp).
+    __shared__ float acc_in[N_SPLITS][32], m_in[N_SPLITS], l_in[N_SPLITS];
+    // Remote shared memory may be written only once its block runs: every block arrives now and waits before
+    // its first push, long after all have arrived.
+    cluster_arrive();
     const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
     const int head = blockIdx.x;
     const int group = n_heads / n_kv, kvh = head / group, pos = start[0];
@@ -296,39 +331,26 @@ __device__ __forceinline__ void attention_decode_impl(const float* q, const floa
                          store ? v_cache + row : nullptr};
     u32 rank;
     asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+    const int split = 4 * rank + warp;
     float acc[HD / 32], m, l;
     attend_split<HD, true>(q, 0, k_cache, v_cache, max_tokens, n_heads, n_kv, start, 1, window, scale_log2, 0,
-                           head, 4 * rank + warp, N_SPLITS, nt, acc, m, l);
+                           head, split, N_SPLITS, nt, acc, m, l);
+    cluster_wait();
+    // acc[2 c + e] is dim 64 c + 2 lane + e (warp_attend): dims 32 r .. 32 r + 31 belong to block r = 2 c + lane / 16.
 #pragma unroll
     for (int c = 0; c < HD / 64; ++c)
-        reinterpret_cast<float2*>(&part[warp][64 * c])[lane] = make_float2(acc[2 * c], acc[2 * c + 1]);
-    if (lane == 0) {
-        part[warp][HD] = m;
-        part[warp][HD + 1] = l;
-    }
-    cluster_sync();
-    // Warp w of block r merges the 32 dims of group w * ATTN_CLUSTER + r (spread over the blocks' SMs), with the
-    // same arithmetic in the same order as combine_splits.
-    const int g = warp * ATTN_CLUSTER + rank;
-    if (g < HD / 32) {
-        const int d = 32 * g + lane;
-        float ms[N_SPLITS], mx = NEG_INF;
 #pragma unroll
-        for (int s = 0; s < N_SPLITS; ++s) {
-            ms[s] = ld_cluster(&part[s % 4][HD], s / 4);
-            mx = fmaxf(mx, ms[s]);
-        }
-        float num = 0.0f, den = 0.0f;
-#pragma unroll
-        for (int s = 0; s < N_SPLITS; ++s) {
-            const float f = exp2f(ms[s] - mx);
-            den += ld_cluster(&part[s % 4][HD + 1], s / 4) * f;
-            num += ld_cluster(&part[s % 4][d], s / 4) * f;
-        }
-        out[(long)head * HD + d] = num / den;
-        if (xq != nullptr) quantize_group(num / den, (long)head * HD / 32 + g, xq, xq2, xds);
+        for (int e = 0; e < 2; ++e) st_cluster(&acc_in[split][(2 * lane + e) % 32], 2 * c + lane / 16, acc[2 * c + e]);
+    if (lane < HD / 32) {
+        st_cluster(&m_in[split], lane, m);
+        st_cluster(&l_in[split], lane, l);
     }
-    cluster_sync();  // no block exits while another still reads its shared memory
+    cluster_arrive();
+    cluster_wait();
+    if (warp != 0 || rank >= HD / 32) return;
+    const float o = merge_splits(m_in, l_in, N_SPLITS, [&](int s) { return acc_in[s][lane]; });
+    out[(long)head * HD + 32 * rank + lane] = o;
+    if (xq != nullptr) quantize_group(o, (long)head * HD / 32 + rank, xq, xq2, xds);
 }
 
 #define ATTENTION_DECODE(HD)                                                                                   \
