@@ -156,35 +156,52 @@ struct NewToken {
     u16 *k_store, *v_store;
 };
 
-// Fold the step's own token into a warp's online softmax (see warp_attend): its key rotated, and key and value
-// rounded to fp16 as the cache holds them, which they are also stored to when nt says so.
+// The step's own key (rotated) and value as the cache holds them: fp16 pairs, word c of a lane being dims
+// 64 c + 2 lane and + 1. Read right after the wait, with the query, so their loads share one trip to L2.
 template <int HD>
-__device__ __forceinline__ void attend_new_token(const float* qs, const NewToken& nt, float (&acc)[HD / 32],
-                                                 float& m, float& l) {
-    const int lane = threadIdx.x & 31;
-    float dot = 0.0f, vals[HD / 32];
+struct NewKV {
+    u32 k[HD / 64], v[HD / 64];
+
+    __device__ void load(const NewToken& nt) {
+        const int lane = threadIdx.x & 31;
 #pragma unroll
-    for (int c = 0; c < HD / 64; ++c) {
-        const int d = 64 * c + 2 * lane;
-        const u16 k0 = f2h(rotated(nt.k, d, nt.rot, nt.neox, nt.cos, nt.sin));
-        const u16 k1 = f2h(rotated(nt.k, d + 1, nt.rot, nt.neox, nt.cos, nt.sin));
-        const u16 v0 = f2h(nt.v[d]), v1 = f2h(nt.v[d + 1]);
-        if (nt.k_store != nullptr) {
-            reinterpret_cast<u32*>(nt.k_store)[32 * c + lane] = k0 | (u32)k1 << 16;
-            reinterpret_cast<u32*>(nt.v_store)[32 * c + lane] = v0 | (u32)v1 << 16;
+        for (int c = 0; c < HD / 64; ++c) {
+            const int d = 64 * c + 2 * lane;
+            k[c] = f2h(rotated(nt.k, d, nt.rot, nt.neox, nt.cos, nt.sin)) |
+                   (u32)f2h(rotated(nt.k, d + 1, nt.rot, nt.neox, nt.cos, nt.sin)) << 16;
+            v[c] = f2h(nt.v[d]) | (u32)f2h(nt.v[d + 1]) << 16;
         }
-        dot = fmaf(qs[d + 1], h2f(k1), fmaf(qs[d], h2f(k0), dot));
-        vals[2 * c] = h2f(v0);
-        vals[2 * c + 1] = h2f(v1);
     }
-    const float s = warp_sum(dot);
-    const float m_new = fmaxf(m, s);
-    const float corr = exp2f(m - m_new), p = exp2f(s - m_new);
-    l = l * corr + p;
+
+    __device__ void store(const NewToken& nt) const {
+        if (nt.k_store == nullptr) return;
 #pragma unroll
-    for (int i = 0; i < HD / 32; ++i) acc[i] = fmaf(p, vals[i], acc[i] * corr);
-    m = m_new;
-}
+        for (int c = 0; c < HD / 64; ++c) {
+            reinterpret_cast<u32*>(nt.k_store)[32 * c + (threadIdx.x & 31)] = k[c];
+            reinterpret_cast<u32*>(nt.v_store)[32 * c + (threadIdx.x & 31)] = v[c];
+        }
+    }
+
+    // Fold the token into a warp's online softmax (see warp_attend).
+    __device__ void attend(const float* qs, float (&acc)[HD / 32], float& m, float& l) const {
+        const int lane = threadIdx.x & 31;
+        float dot = 0.0f, vals[HD / 32];
+#pragma unroll
+        for (int c = 0; c < HD / 64; ++c) {
+            const int d = 64 * c + 2 * lane;
+            dot = fmaf(qs[d + 1], h2f((u16)(k[c] >> 16)), fmaf(qs[d], h2f((u16)(k[c] & 0xFFFF)), dot));
+            vals[2 * c] = h2f((u16)(v[c] & 0xFFFF));
+            vals[2 * c + 1] = h2f((u16)(v[c] >> 16));
+        }
+        const float s = warp_sum(dot);
+        const float m_new = fmaxf(m, s);
+        const float corr = exp2f(m - m_new), p = exp2f(s - m_new);
+        l = l * corr + p;
+#pragma unroll
+        for (int i = 0; i < HD / 32; ++i) acc[i] = fmaf(p, vals[i], acc[i] * corr);
+        m = m_new;
+    }
+};
 
 // Warp `warp` of the block attends query qi of head `head` over split `split` of n_splits of its key range,
 // leaving the unnormalized output acc, the max m and the sum l (see warp_attend). HD is the head dimension (64,
@@ -225,15 +242,24 @@ __device__ __forceinline__ void attend_split(const float* __restrict__ q, long q
     if (DECODE) KeyTile<HD>::load(kbase, lo, cached_hi, kv);
     grid_dependency_sync();
 
+    // Every load (q, and the step's own key and value) before any store, so they make one trip to L2 together:
+    // the compiler cannot move a load past the cache store, which might alias it.
     const float* qr = q + qi * q_stride + (long)head * HD;
+    float qv[HD / 32];
 #pragma unroll
     for (int i = 0; i < HD / 32; ++i) {
         const int d = lane + 32 * i;
-        qs[warp][d] = (DECODE ? rotated(qr, d, nt.rot, nt.neox, nt.cos, nt.sin) : qr[d]) * scale_log2;
+        qv[i] = (DECODE ? rotated(qr, d, nt.rot, nt.neox, nt.cos, nt.sin) : qr[d]) * scale_log2;
     }
+    const bool own = DECODE && lo <= pos && pos < hi;  // the split holding the step's own token
+    NewKV<HD> nkv;
+    if (own) nkv.load(nt);
+#pragma unroll
+    for (int i = 0; i < HD / 32; ++i) qs[warp][lane + 32 * i] = qv[i];
+    if (own) nkv.store(nt);
     __syncwarp();
     warp_attend<HD, DECODE>(qs[warp], kbase, vbase, lo, cached_hi, kv, acc, m, l);
-    if (DECODE && lo <= pos && pos < hi) attend_new_token<HD>(qs[warp], nt, acc, m, l);
+    if (own) nkv.attend(qs[warp], acc, m, l);
 }
 
 template <int HD>
