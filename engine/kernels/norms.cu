@@ -43,8 +43,8 @@ extern "C" __global__ void rms_norm(const float* x, const float* __restrict__ w,
     quantize_row(yr, d, (long)blockIdx.x * (d / 32), xq, xq2, xds);
 }
 
-// The int8 groups of 32 values held 4 per thread by 8 consecutive threads (sub = 0..7 within the group): the
-// same arithmetic as quantize_group, with the group's max and sums over 8 lanes instead of 32. Every lane of
+// The int8 groups of 32 values held 4 per thread by 8 consecutive threads (sub = 0..7 within the group): with
+// quantize_group's arithmetic (Q8Scale), the group's max and sums over 8 lanes instead of 32. Every lane of
 // the warp must call it (shuffles), so out-of-range lanes pass zeros and write nothing (store false).
 __device__ __forceinline__ void quantize_group4(float4 v, long g, int sub, bool store, signed char* xq,
                                                 signed char* xq2, float2* xds) {
@@ -52,16 +52,13 @@ __device__ __forceinline__ void quantize_group4(float4 v, long g, int sub, bool 
     float amax = fmaxf(fmaxf(fabsf(e[0]), fabsf(e[1])), fmaxf(fabsf(e[2]), fabsf(e[3])));
 #pragma unroll
     for (int o = 1; o < 8; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
-    const float d = amax / 127.0f;
-    const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
-    const float id2 = amax > 0.0f ? 254.0f / d : 0.0f;
+    const Q8Scale scale(amax);
     float sq = 0.0f, sq2 = 0.0f;
     u32 pq = 0, pq2 = 0;
 #pragma unroll
     for (int t = 0; t < 4; ++t) {
-        const float q = rintf(__fmul_rn(e[t], id));
-        const float r = __fsub_rn(e[t], __fmul_rn(q, d));
-        const float q2 = fminf(127.0f, fmaxf(-127.0f, rintf(__fmul_rn(r, id2))));
+        float q, q2;
+        scale.levels(e[t], q, q2);
         pq |= ((u32)(int)q & 0xFFu) << (8 * t);
         pq2 |= ((u32)(int)q2 & 0xFFu) << (8 * t);
         sq += q;
@@ -75,8 +72,7 @@ __device__ __forceinline__ void quantize_group4(float4 v, long g, int sub, bool 
     if (!store) return;
     reinterpret_cast<u32*>(xq)[g * 8 + sub] = pq;
     reinterpret_cast<u32*>(xq2)[g * 8 + sub] = pq2;
-    const int total = 254 * (int)sq + (int)sq2;
-    if (sub == 0) xds[g] = make_float2(d, __fmul_rn(d, (float)total) / 254.0f);
+    if (sub == 0) xds[g] = scale.ds(254 * (int)sq + (int)sq2);
 }
 
 #define NORM_CHUNKS 4  // float4 chunks a thread keeps in registers: rows up to 4 * 4 * 1024 values

@@ -322,21 +322,30 @@ __device__ __forceinline__ float rotated(const float* x, int d, int rot, int neo
     return (neox ? d < half : (d & 1) == 0) ? a * c[j] - b * s[j] : a * s[j] + b * c[j];
 }
 
-// Two-level int8 quantization of one group of 32 activations, value v in lane (threadIdx.x & 31), group g:
+// Two-level int8 quantization of a group of 32 activations with largest magnitude amax:
 //   q = rint(v * 127 / amax), d = amax / 127, then the remainder r = v - q d as q2 = rint(r * 254 / d), so
 //   v ~= d * (q + q2 / 254) within d / 508 (1.5e-5 of amax), and s = d * (254 sum(q) + sum(q2)) / 254.
 // Matches reference.quantize_q8 bit for bit (IEEE division and rounding, no contraction into FMA).
+struct Q8Scale {
+    float d, id, id2;
+    __device__ explicit Q8Scale(float amax)
+        : d(amax / 127.0f), id(amax > 0.0f ? 127.0f / amax : 0.0f), id2(amax > 0.0f ? 254.0f / d : 0.0f) {}
+    __device__ void levels(float v, float& q, float& q2) const {
+        q = rintf(__fmul_rn(v, id));
+        q2 = fminf(127.0f, fmaxf(-127.0f, rintf(__fmul_rn(__fsub_rn(v, __fmul_rn(q, d)), id2))));
+    }
+    // (d, s) from total = 254 sum(q) + sum(q2).
+    __device__ float2 ds(int total) const { return make_float2(d, __fmul_rn(d, (float)total) / 254.0f); }
+};
+
+// One group g, a value v a lane (threadIdx.x & 31).
 __device__ __forceinline__ void quantize_group(float v, long g, signed char* xq, signed char* xq2, float2* xds) {
     const int lane = threadIdx.x & 31;
-    const float amax = warp_max(fabsf(v));
-    const float d = amax / 127.0f;
-    const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
-    const float q = rintf(__fmul_rn(v, id));
-    const float r = __fsub_rn(v, __fmul_rn(q, d));
-    const float id2 = amax > 0.0f ? 254.0f / d : 0.0f;
-    const float q2 = fminf(127.0f, fmaxf(-127.0f, rintf(__fmul_rn(r, id2))));
+    const Q8Scale scale(warp_max(fabsf(v)));
+    float q, q2;
+    scale.levels(v, q, q2);
     xq[g * 32 + lane] = (signed char)(int)q;
     xq2[g * 32 + lane] = (signed char)(int)q2;
     const int total = 254 * (int)warp_sum(q) + (int)warp_sum(q2);
-    if (lane == 0) xds[g] = make_float2(d, __fmul_rn(d, (float)total) / 254.0f);
+    if (lane == 0) xds[g] = scale.ds(total);
 }
