@@ -79,8 +79,8 @@ struct KeyTile {
                 const u32 w[4] = {kv[i].x, kv[i].y, kv[i].z, kv[i].w};
 #pragma unroll
                 for (int t = 0; t < 4; ++t) {
-                    part = fmaf(q8[2 * t], h2f((u16)(w[t] & 0xFFFF)), part);
-                    part = fmaf(q8[2 * t + 1], h2f((u16)(w[t] >> 16)), part);
+                    part = fmaf(q8[2 * t], h2f_lo(w[t]), part);
+                    part = fmaf(q8[2 * t + 1], h2f_hi(w[t]), part);
                 }
             }
 #pragma unroll
@@ -138,8 +138,8 @@ __device__ __forceinline__ void warp_attend(const float* qs, const u16* __restri
                 const float pj = jj + t < cnt ? __shfl_sync(0xFFFFFFFFu, p, (jj + t) & 31) : 0.0f;
 #pragma unroll
                 for (int c = 0; c < WPL; ++c) {
-                    acc[2 * c] = fmaf(pj, h2f((u16)(vv[t][c] & 0xFFFF)), acc[2 * c]);
-                    acc[2 * c + 1] = fmaf(pj, h2f((u16)(vv[t][c] >> 16)), acc[2 * c + 1]);
+                    acc[2 * c] = fmaf(pj, h2f_lo(vv[t][c]), acc[2 * c]);
+                    acc[2 * c + 1] = fmaf(pj, h2f_hi(vv[t][c]), acc[2 * c + 1]);
                 }
             }
         }
@@ -189,9 +189,9 @@ struct NewKV {
 #pragma unroll
         for (int c = 0; c < HD / 64; ++c) {
             const int d = 64 * c + 2 * lane;
-            dot = fmaf(qs[d + 1], h2f((u16)(k[c] >> 16)), fmaf(qs[d], h2f((u16)(k[c] & 0xFFFF)), dot));
-            vals[2 * c] = h2f((u16)(v[c] & 0xFFFF));
-            vals[2 * c + 1] = h2f((u16)(v[c] >> 16));
+            dot = fmaf(qs[d + 1], h2f_hi(k[c]), fmaf(qs[d], h2f_lo(k[c]), dot));
+            vals[2 * c] = h2f_lo(v[c]);
+            vals[2 * c + 1] = h2f_hi(v[c]);
         }
         const float s = warp_sum(dot);
         const float m_new = fmaxf(m, s);
@@ -234,8 +234,8 @@ __device__ __forceinline__ void attend_split(const float* __restrict__ q, long q
         const char* kb = reinterpret_cast<const char*>(kbase + (long)lo * HD);
         const char* vb = reinterpret_cast<const char*>(vbase + (long)lo * HD);
         for (long off = 128L * lane; off < (long)(cached_hi - lo) * HD * 2; off += 32 * 128) {
-            asm volatile("prefetch.global.L2 [%0];" ::"l"(kb + off));
-            asm volatile("prefetch.global.L2 [%0];" ::"l"(vb + off));
+            prefetch_l2_line(kb + off);
+            prefetch_l2_line(vb + off);
         }
     }
     uint4 kv[HD / 8];

@@ -68,7 +68,7 @@ __device__ __forceinline__ void row_dots(const Planes* w, int row0, int m, int k
 __device__ __forceinline__ void prefetch_l2(const u8* base, long lo, long hi) {
     const unsigned long a = (reinterpret_cast<unsigned long>(base + lo) & ~127UL) + 128UL * (threadIdx.x & 31);
     if (a < reinterpret_cast<unsigned long>(base + min(hi, lo + PREFETCH_ROW_BYTES)))
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(a));
+        prefetch_l2_line(reinterpret_cast<const void*>(a));
 }
 
 template <class B>
@@ -192,8 +192,7 @@ __device__ __forceinline__ void matvec_stream(const Planes& w, const signed char
 #pragma unroll
         for (int r = 0; r < R; ++r)
             if (blockIdx.x * R + r < m)
-                asm volatile("prefetch.global.L2 [%0];" ::"l"(w.q + (blockIdx.x * R + r) * bpr * B::QB +
-                                                               g * (B::QB * 32 / B::QK)));
+                prefetch_l2_line(w.q + (blockIdx.x * R + r) * bpr * B::QB + g * (B::QB * 32 / B::QK));
     grid_dependency_sync();
     const int4 xv[4] = {__ldg(reinterpret_cast<const int4*>(xq + 32 * g)),
                         __ldg(reinterpret_cast<const int4*>(xq + 32 * g + 16)),

@@ -48,6 +48,13 @@ __device__ __forceinline__ u16 f2h(float f) {
 
 __device__ __forceinline__ float bf2f(u16 b) { return __uint_as_float(((u32)b) << 16); }
 
+// The two fp16 values packed in a 32-bit word: the low half, then the high half.
+__device__ __forceinline__ float h2f_lo(u32 w) { return h2f((u16)(w & 0xFFFF)); }
+__device__ __forceinline__ float h2f_hi(u32 w) { return h2f((u16)(w >> 16)); }
+
+// Ask L2 for the 128-byte line holding p (no register waits for it).
+__device__ __forceinline__ void prefetch_l2_line(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
 __device__ __forceinline__ int dp4a(int a, int b, int c) {
     int d;
     asm("dp4a.s32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
@@ -104,8 +111,8 @@ struct BlockQ4_1 {
             w[t + 4] = (v[t] >> 4) & 0x0F0F0F0Fu;
         }
         const u32 dm = ld4(p.d + blk * DB);
-        sc[0] = sc[1] = h2f((u16)(dm & 0xFFFF));
-        mn = h2f((u16)(dm >> 16));
+        sc[0] = sc[1] = h2f_lo(dm);
+        mn = h2f_hi(dm);
     }
 };
 
@@ -139,8 +146,8 @@ struct BlockQ5_1 {
             w[t + 4] = ((v[t] >> 4) & 0x0F0F0F0Fu) | spread4_to_bit4(qh >> (16 + 4 * t));
         }
         const u32 dm = ld4(p.d + blk * DB);
-        sc[0] = sc[1] = h2f((u16)(dm & 0xFFFF));
-        mn = h2f((u16)(dm >> 16));
+        sc[0] = sc[1] = h2f_lo(dm);
+        mn = h2f_hi(dm);
     }
 };
 
@@ -190,8 +197,8 @@ struct BlockQ4_K {
         const uint4 ds = ld16(p.s + blk * SB);
         float s, m;
         k_scale_min(ds.y, ds.z, ds.w, sub, s, m);
-        sc[0] = sc[1] = h2f((u16)(ds.x & 0xFFFF)) * s;
-        mn = -h2f((u16)(ds.x >> 16)) * m;
+        sc[0] = sc[1] = h2f_lo(ds.x) * s;
+        mn = -h2f_hi(ds.x) * m;
     }
 };
 
@@ -209,8 +216,8 @@ struct BlockQ5_K {
         const u8* ps = p.s + blk * SB;
         k_scale_min(ld4(ps), ld4(ps + 4), ld4(ps + 8), sub, s, m);
         const u32 dm = ld4(p.d + blk * DB);
-        sc[0] = sc[1] = h2f((u16)(dm & 0xFFFF)) * s;
-        mn = -h2f((u16)(dm >> 16)) * m;
+        sc[0] = sc[1] = h2f_lo(dm) * s;
+        mn = -h2f_hi(dm) * m;
     }
 };
 
