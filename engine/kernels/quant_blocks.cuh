@@ -300,10 +300,28 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
+// The warp's largest v and the warp's sum of an int: one redux instruction each on sm_80 and newer (floats
+// compared as ints after flipping the magnitude bits of negatives, which orders them as numbers), five shuffles
+// before. Both exact, so either path gives the same bits (a NaN is not ordered; no caller passes one on purpose).
 __device__ __forceinline__ float warp_max(float v) {
+#if __CUDA_ARCH__ >= 800
+    const int i = __float_as_int(v), m = __reduce_max_sync(0xFFFFFFFFu, i < 0 ? i ^ 0x7FFFFFFF : i);
+    return __int_as_float(m < 0 ? m ^ 0x7FFFFFFF : m);
+#else
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xFFFFFFFFu, v, o));
     return v;
+#endif
+}
+
+__device__ __forceinline__ int warp_sum_int(int v) {
+#if __CUDA_ARCH__ >= 800
+    return __reduce_add_sync(0xFFFFFFFFu, v);
+#else
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
+    return v;
+#endif
 }
 
 // FFN activations: 0 = silu (SwiGLU), 1 = gelu with the tanh approximation (GeGLU).
@@ -353,6 +371,6 @@ __device__ __forceinline__ void quantize_group(float v, long g, signed char* xq,
     scale.levels(v, q, q2);
     xq[g * 32 + lane] = (signed char)(int)q;
     xq2[g * 32 + lane] = (signed char)(int)q2;
-    const int total = 254 * (int)warp_sum(q) + (int)warp_sum(q2);
+    const int total = warp_sum_int(254 * (int)q + (int)q2);
     if (lane == 0) xds[g] = scale.ds(total);
 }
