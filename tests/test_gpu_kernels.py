@@ -92,24 +92,41 @@ def test_matvec(qtype, wpr, rows):
     assert rel(out.get(), expect) < 1e-5
 
 
+def rel_to_terms(out, w, x) -> float:
+    """Largest |out - w @ x| a row over that row's sum of |terms|, the scale of float rounding in a dot product
+    (a relative error over a single row is unbounded where its terms cancel)."""
+    w, x = np.asarray(w, np.float64), np.asarray(x, np.float64)
+    out = np.asarray(out, np.float64)
+    assert not np.isnan(out).any(), "NaN in the output: an element was not written or the math broke"
+    return float(np.max(np.abs(out - w @ x) / (np.abs(w) @ np.abs(x))))
+
+
 @pytest.mark.parametrize("m,k", [(5003, 6144), (1, 2048)])
+@pytest.mark.parametrize("form", ["", "_lean"])
 @pytest.mark.parametrize("qtype", QUANT_TYPES, ids=lambda t: t.name)
-def test_matvec_stream(qtype, m, k):
-    """The streamed product: more row pairs than its persistent grid has blocks (each block goes round several
-    times, the last pair incomplete since m is odd), and a single row (half an iteration)."""
+def test_matvec_stream(qtype, form, m, k):
+    """Both forms of the streamed product (plain, and at 32 registers): more row pairs than the persistent grid
+    has blocks (each block goes round several times, the last pair incomplete since m is odd), and a single row
+    (half an iteration). Then the form K.matvec picks, on the same inputs."""
     rng = np.random.default_rng()
     raw, w = random_weight(qtype, m, k, rng)
     gw = K.upload_weight("w", qtype, (m, k), raw)
     x = rng.standard_normal(k).astype(np.float32)
-    xd = cp.asarray(x)
     q8 = K.Q8.empty(k)
-    K.quantize_q8(xd, q8)
+    K.quantize_q8(cp.asarray(x), q8)
+    name = f"matvec_stream{form}_{gw.suffix}"
+    blocks = K._resident_blocks(name, k // 32)
+    assert blocks is not None
     if m > 1000:
-        blocks = K._resident_blocks(f"matvec_stream_{gw.suffix}", k // 32)
-        assert blocks is not None and blocks * sources.STREAM_ROWS < m, "each block would take one iteration"
+        assert blocks * sources.STREAM_ROWS < m, "each block would take one iteration"
+    grid = min(blocks, -(-m // sources.STREAM_ROWS))
+    expect = q8_input(x)
     out = poisoned(m)
-    K.matvec(gw, xd, q8, out, "stream")
-    assert rel(out.get(), w.astype(np.float64) @ q8_input(x)) < 1e-5
+    K.launch("matvec", name, (grid,), (k // 32,), (*gw.args(), *q8.args(), out, np.int32(m), np.int32(k)))
+    assert rel_to_terms(out.get(), w, expect) < 1e-6
+    out = poisoned(m)
+    K.matvec(gw, None, q8, out, "stream")
+    assert rel_to_terms(out.get(), w, expect) < 1e-6
 
 
 def test_matvec_stream_refuses_rows_its_block_cannot_hold():

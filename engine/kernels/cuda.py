@@ -247,6 +247,21 @@ def _resident_blocks(name: str, threads: int) -> int | None:
     return per_sm.value * cupy.cuda.Device().attributes["MultiProcessorCount"]
 
 
+def _stream_grid(suffix: str, m: int, k: int) -> tuple[str, int]:
+    """The streamed kernel and its grid for an (m, k) product: as many blocks as the GPU holds, or fewer when
+    the rows run out. Of the plain kernel and its 32-register form (more blocks a multiprocessor where registers
+    bound them, at the cost of a few spilled bytes), the one that goes round its rows fewer times: the last
+    round's blocks finish alone, so whole rounds matter (8B FFN down: 6 rounds of 396 blocks, or 4 of 528)."""
+    row_sets = _blocks(m, sources.STREAM_ROWS)
+    best = None
+    for name in (f"matvec_stream_{suffix}", f"matvec_stream_lean_{suffix}"):
+        grid = min(row_sets, _resident_blocks(name, k // 32) or row_sets)
+        rounds = _blocks(row_sets, grid)
+        if best is None or rounds < best[0]:
+            best = rounds, name, grid
+    return best[1], best[2]
+
+
 def matvec(w: GpuWeight, x: Any, q8: Q8 | None, out: Any, shape: str | tuple[int, int] | None = None) -> None:
     """out (m,) = w (m, k) . x (k,); quantized weights read q8 (quantize_q8 of x), float ones read x. shape:
     "stream" (matvec.cu matvec_stream: a persistent grid of as many blocks of k / 32 threads as the GPU holds,
@@ -261,8 +276,8 @@ def matvec(w: GpuWeight, x: Any, q8: Q8 | None, out: Any, shape: str | tuple[int
     if shape == "stream":
         if not streamable(k):
             raise ValueError(f"a streamed product needs rows of a multiple of 1024 weights up to 32768, not {k}")
-        name, blocks = f"matvec_stream_{w.suffix}", _blocks(m, sources.STREAM_ROWS)
-        launch("matvec", name, (min(blocks, _resident_blocks(name, k // 32) or blocks),), (k // 32,), args)
+        name, grid = _stream_grid(w.suffix, m, k)
+        launch("matvec", name, (grid,), (k // 32,), args)
         return
     wpr, rows = shape
     launch("matvec", f"matvec_{w.suffix}{_shape_suffix(wpr, rows)}", (_blocks(m * wpr, WARPS * rows),),

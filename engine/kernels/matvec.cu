@@ -180,7 +180,9 @@ FOR_EACH_QUANT(MATVEC_Q)
 // (k / 32 threads), so each thread holds its group of x in registers for the whole kernel and its loop reads
 // weights only: STREAM_ROWS consecutive rows an iteration, their loads issued together, a block's rows
 // gridDim.x * STREAM_ROWS apart. The block's warps add up their row sums through shared memory (two buffers, so
-// one barrier an iteration). STREAM_ROWS comes from the compile options (engine/kernels/sources.py).
+// one barrier an iteration). STREAM_ROWS comes from the compile options (engine/kernels/sources.py). Each type
+// also has a form held to 32 registers (a few bytes spill), whose blocks fit more to a multiprocessor where
+// registers bound them; cuda._stream_grid picks between the two.
 template <class B>
 __device__ __forceinline__ void matvec_stream(const Planes& w, const signed char* xq, const signed char* xq2,
                                               const float2* xds, float* __restrict__ out, int m, int k) {
@@ -230,6 +232,11 @@ __device__ __forceinline__ void matvec_stream(const Planes& w, const signed char
     extern "C" __global__ void matvec_stream_##name(const u8* q, const u8* h, const u8* s, const u8* d,       \
                                                     const signed char* xq, const signed char* xq2,            \
                                                     const float2* xds, float* out, int m, int k) {            \
+        matvec_stream<B>({q, h, s, d}, xq, xq2, xds, out, m, k);                                               \
+    }                                                                                                          \
+    extern "C" __global__ void __launch_bounds__(1024, 2) matvec_stream_lean_##name(                          \
+        const u8* q, const u8* h, const u8* s, const u8* d, const signed char* xq, const signed char* xq2,    \
+        const float2* xds, float* out, int m, int k) {                                                         \
         matvec_stream<B>({q, h, s, d}, xq, xq2, xds, out, m, k);                                               \
     }
 FOR_EACH_QUANT(MATVEC_STREAM)
