@@ -17,16 +17,25 @@
 // largest m_s (an empty split, max -inf and sum 0, adds nothing). m and l: the splits' maxima and sums.
 template <class Value>
 __device__ __forceinline__ float merge_splits(const float* m, const float* l, int n_splits, Value value) {
-    float mx = NEG_INF;
-    for (int s = 0; s < n_splits; ++s) mx = fmaxf(mx, m[s]);
-    float num = 0.0f, den = 0.0f;
-#pragma unroll 32  // a decode query's 32 splits: every load issued before the first is used
-    for (int s = 0; s < n_splits; ++s) {
-        const float f = exp2f(m[s] - mx);
-        den += l[s] * f;
-        num += value(s) * f;
-    }
-    return num / den;
+    // Four partial maxima and sums: dependent chains a quarter as long (a decode query's 32 splits).
+    float mx[4] = {NEG_INF, NEG_INF, NEG_INF, NEG_INF};
+    float num[4] = {0.0f, 0.0f, 0.0f, 0.0f}, den[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll 8
+    for (int s0 = 0; s0 < n_splits; s0 += 4)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+            if (s0 + j < n_splits) mx[j] = fmaxf(mx[j], m[s0 + j]);
+    const float top = fmaxf(fmaxf(mx[0], mx[1]), fmaxf(mx[2], mx[3]));
+#pragma unroll 8  // every load issued before the first is used
+    for (int s0 = 0; s0 < n_splits; s0 += 4)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+            if (s0 + j < n_splits) {
+                const float f = exp2f(m[s0 + j] - top);
+                den[j] += l[s0 + j] * f;
+                num[j] += value(s0 + j) * f;
+            }
+    return ((num[0] + num[1]) + (num[2] + num[3])) / ((den[0] + den[1]) + (den[2] + den[3]));
 }
 
 // Merge the n_splits partial results p of one (query, head) (each acc[hd], m, l), the block's threads over the
