@@ -247,14 +247,19 @@ def _resident_blocks(name: str, threads: int) -> int | None:
     return per_sm.value * cupy.cuda.Device().attributes["MultiProcessorCount"]
 
 
-def _stream_grid(suffix: str, m: int, k: int) -> tuple[str, int]:
+LEAN_STREAM_TYPES = (T.Q4_0,)  # where the 32-register streamed form paid on an H200 (8B Q4_0); it cost Q4_K 4%
+
+
+def _stream_grid(w: GpuWeight, m: int, k: int) -> tuple[str, int]:
     """The streamed kernel and its grid for an (m, k) product: as many blocks as the GPU holds, or fewer when
-    the rows run out. Of the plain kernel and its 32-register form (more blocks a multiprocessor where registers
-    bound them, at the cost of a few spilled bytes), the one that goes round its rows fewer times: the last
-    round's blocks finish alone, so whole rounds matter (8B FFN down: 6 rounds of 396 blocks, or 4 of 528)."""
+    the rows run out. For LEAN_STREAM_TYPES, of the plain kernel and its 32-register form (more blocks a
+    multiprocessor where registers bound them, at the cost of a few spilled bytes) the one that goes round its
+    rows fewer times: the last round's blocks finish alone (8B FFN down: 6 rounds of 396 blocks, or 4 of 528)."""
     row_sets = _blocks(m, sources.STREAM_ROWS)
+    forms = ("", "_lean") if w.qtype in LEAN_STREAM_TYPES else ("",)
     best = None
-    for name in (f"matvec_stream_{suffix}", f"matvec_stream_lean_{suffix}"):
+    for form in forms:
+        name = f"matvec_stream{form}_{w.suffix}"
         grid = min(row_sets, _resident_blocks(name, k // 32) or row_sets)
         rounds = _blocks(row_sets, grid)
         if best is None or rounds < best[0]:
@@ -276,7 +281,7 @@ def matvec(w: GpuWeight, x: Any, q8: Q8 | None, out: Any, shape: str | tuple[int
     if shape == "stream":
         if not streamable(k):
             raise ValueError(f"a streamed product needs rows of a multiple of 1024 weights up to 32768, not {k}")
-        name, grid = _stream_grid(w.suffix, m, k)
+        name, grid = _stream_grid(w, m, k)
         launch("matvec", name, (grid,), (k // 32,), args)
         return
     wpr, rows = shape
