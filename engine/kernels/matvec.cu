@@ -228,17 +228,15 @@ __device__ __forceinline__ void matvec_stream(const Planes& w, const signed char
     }
 }
 
-#define MATVEC_STREAM(name, B)                                                                                 \
-    extern "C" __global__ void matvec_stream_##name(const u8* q, const u8* h, const u8* s, const u8* d,       \
-                                                    const signed char* xq, const signed char* xq2,            \
-                                                    const float2* xds, float* out, int m, int k) {            \
-        matvec_stream<B>({q, h, s, d}, xq, xq2, xds, out, m, k);                                               \
-    }                                                                                                          \
-    extern "C" __global__ void __launch_bounds__(1024, 2) matvec_stream_lean_##name(                          \
+#define MATVEC_STREAM_FORM(name, B, form, bounds)                                                              \
+    extern "C" __global__ void bounds matvec_stream##form##_##name(                                            \
         const u8* q, const u8* h, const u8* s, const u8* d, const signed char* xq, const signed char* xq2,    \
         const float2* xds, float* out, int m, int k) {                                                         \
         matvec_stream<B>({q, h, s, d}, xq, xq2, xds, out, m, k);                                               \
     }
+#define MATVEC_STREAM(name, B)                                                                                 \
+    MATVEC_STREAM_FORM(name, B, , )                                                                            \
+    MATVEC_STREAM_FORM(name, B, _lean, __launch_bounds__(1024, 2))
 FOR_EACH_QUANT(MATVEC_STREAM)
 
 // Float weights: x stays float32; each lane reads 8 weights (16 bytes for fp16/bf16) per step.

@@ -294,7 +294,8 @@ typedef WHalf<true> WBF16;
     MACRO(f16, WF16)          \
     MACRO(bf16, WBF16)
 
-__device__ __forceinline__ float warp_sum(float v) {
+template <class T>
+__device__ __forceinline__ T warp_sum(T v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
     return v;
@@ -318,9 +319,7 @@ __device__ __forceinline__ int warp_sum_int(int v) {
 #if __CUDA_ARCH__ >= 800
     return __reduce_add_sync(0xFFFFFFFFu, v);
 #else
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
-    return v;
+    return warp_sum(v);
 #endif
 }
 
