@@ -68,12 +68,15 @@ struct KeyTile {
     static constexpr int KPI = 32 / LPK;  // key rows a load instruction
     static constexpr int N = HD / 8;      // loads for 32 keys
 
+    // EARLY: issued before grid_dependency_sync (ld16_early), so it overlaps the kernel before.
+    template <bool EARLY = false>
     __device__ static void load(const u16* __restrict__ kbase, int j0, int hi, uint4 (&kv)[N]) {
         const int lane = threadIdx.x & 31;
 #pragma unroll
         for (int i = 0; i < N; ++i) {
             const int j = j0 + i * KPI + lane / LPK;
-            if (j < hi) kv[i] = __ldg(reinterpret_cast<const uint4*>(kbase + (long)j * HD) + lane % LPK);
+            const uint4* p = reinterpret_cast<const uint4*>(kbase + (long)j * HD) + lane % LPK;
+            if (j < hi) kv[i] = EARLY ? ld16_early(p) : __ldg(p);
         }
     }
 
@@ -248,7 +251,7 @@ __device__ __forceinline__ void attend_split(const float* __restrict__ q, long q
         }
     }
     uint4 kv[HD / 8];
-    if (DECODE) KeyTile<HD>::load(kbase, lo, cached_hi, kv);
+    if (DECODE) KeyTile<HD>::template load<true>(kbase, lo, cached_hi, kv);
     grid_dependency_sync();
 
     // Every load (q, and the step's own key and value) before any store, so they make one trip to L2 together:

@@ -90,7 +90,8 @@ extern "C" __global__ void add_rms_norm(const float* __restrict__ x, float* __re
 #pragma unroll
     for (int c = 0; c < NORM_CHUNKS; ++c) {
         const int i = threadIdx.x + c * blockDim.x;
-        wv[c] = i < n4 ? __ldg(reinterpret_cast<const float4*>(w) + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        const uint4 u = i < n4 ? ld16_early(w + 4 * i) : make_uint4(0, 0, 0, 0);
+        wv[c] = make_float4(__uint_as_float(u.x), __uint_as_float(u.y), __uint_as_float(u.z), __uint_as_float(u.w));
     }
     grid_dependency_sync();
     __shared__ float red[32];

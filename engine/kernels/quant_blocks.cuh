@@ -62,6 +62,15 @@ __device__ __forceinline__ int dp4a(int a, int b, int c) {
 }
 
 __device__ __forceinline__ uint4 ld16(const u8* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
+
+// A 16-byte load meant to overlap the previous kernel's tail, issued before grid_dependency_sync. It must not be a
+// read-only (.nc, __ldg) load: ptxas moves those past griddepcontrol.wait (sm_90 SASS, nvcc 13), and the load
+// then follows the wait instead of overlapping it. A plain ld.global stays where it is written.
+__device__ __forceinline__ uint4 ld16_early(const void* p) {
+    uint4 v;
+    asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
 __device__ __forceinline__ u32 ld4(const u8* p) { return __ldg(reinterpret_cast<const u32*>(p)); }
 __device__ __forceinline__ u16 ld2(const u8* p) { return __ldg(reinterpret_cast<const u16*>(p)); }
 
