@@ -257,14 +257,9 @@ def _stream_grid(w: GpuWeight, m: int, k: int) -> tuple[str, int]:
     rows fewer times: the last round's blocks finish alone (8B FFN down: 6 rounds of 396 blocks, or 4 of 528)."""
     row_sets = _blocks(m, sources.STREAM_ROWS)
     forms = ("", "_lean") if w.qtype in LEAN_STREAM_TYPES else ("",)
-    best = None
-    for form in forms:
-        name = f"matvec_stream{form}_{w.suffix}"
-        grid = min(row_sets, _resident_blocks(name, k // 32) or row_sets)
-        rounds = _blocks(row_sets, grid)
-        if best is None or rounds < best[0]:
-            best = rounds, name, grid
-    return best[1], best[2]
+    names = [f"matvec_stream{form}_{w.suffix}" for form in forms]
+    grids = [(name, min(row_sets, _resident_blocks(name, k // 32) or row_sets)) for name in names]
+    return min(grids, key=lambda g: _blocks(row_sets, g[1]))  # the first, the plain form, on a tie
 
 
 def matvec(w: GpuWeight, x: Any, q8: Q8 | None, out: Any, shape: str | tuple[int, int] | None = None) -> None:
