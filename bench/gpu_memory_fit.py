@@ -55,10 +55,11 @@ def catalog_entry(m: dict):
 
 
 def estimate(m: dict) -> dict:
-    from setup_logic.fit import EngineProfile, estimate_memory
+    from engine import capabilities
+    from setup_logic.engine_profile import EngineProfile
+    from setup_logic.fit import estimate_memory
 
-    profile = EngineProfile(supported_architectures={"llama", "gemma3"}, supported_tensor_types=set(m["tensor_types"]))
-    e = estimate_memory(catalog_entry(m), CONTEXT, "gpu", profile)
+    e = estimate_memory(catalog_entry(m), CONTEXT, "gpu", EngineProfile(**capabilities.profile()))
     return {k: getattr(e, k) for k in ("vram_bytes", "gpu_weights_bytes", "kv_cache_bytes", "workspace_bytes", "gpu_overhead_bytes")}
 
 

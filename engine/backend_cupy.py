@@ -21,13 +21,12 @@ import numpy as np
 
 from engine import quants
 from engine.backend import ROPE_NEOX, ROPE_NORMAL, KVCache, RopeTable, SamplingParams
+from engine.capabilities import DEQUANT_SCRATCH_ELEMENTS, GPU_KV_DTYPE, MIN_COMPUTE_CAPABILITY
 from engine.errors import EngineError
 from engine.gguf_file import GGUFTensor
 from engine.kernels import cuda as K
 from engine.kernels.gpu_layout import supported
 
-MIN_COMPUTE_CAPABILITY = (7, 5)
-DEQUANT_SCRATCH_ELEMENTS = 64 * 2**20  # fp16 scratch for one weight (or a row slice of a larger one): 128 MB
 TOPK_MAX = 1024  # top-k above this (or top_k = 0) sorts the whole vocabulary instead
 NO_TOKENS = np.zeros(0, np.int32)
 ID_SLOTS = 4  # sample_feed's pinned slots; two would do for one step queued ahead
@@ -150,7 +149,7 @@ class CupyBackend:
                 f"{', '.join(map(str, K.HEAD_DIMS))}. Run it on the CPU with device='cpu'."
             )
         shape = (n_layers, n_kv_heads, max_tokens, head_dim)
-        return self._hold(KVCache(cupy.zeros(shape, cupy.float16), cupy.zeros(shape, cupy.float16)))
+        return self._hold(KVCache(cupy.zeros(shape, GPU_KV_DTYPE), cupy.zeros(shape, GPU_KV_DTYPE)))
 
     def memory_in_use(self) -> dict[str, int]:
         """Bytes in CuPy's pool for this process, and the GPU's free/total memory as the driver reports it."""

@@ -15,6 +15,7 @@ from threadpoolctl import threadpool_limits
 
 from engine import quants
 from engine.backend import KVCache, RopeTable, SamplingParams
+from engine.capabilities import CPU_KV_DTYPE
 from engine.errors import EngineError
 from engine.gguf_file import GGUFTensor
 from engine.kernels import reference
@@ -36,8 +37,7 @@ class NumpyBackend:
 
     name = "numpy"
     asynchronous = False
-    # float32 keeps the cache exact with respect to the float32 activations; the CPU path is for small models.
-    kv_dtype = np.dtype(np.float32)
+    kv_dtype = CPU_KV_DTYPE
 
     def __init__(self) -> None:
         self._held: list[Any] = []

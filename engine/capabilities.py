@@ -1,10 +1,30 @@
-"""What this engine runs, as plain data for callers that choose models (they must not need a GPU to ask)."""
+"""What this engine runs and the limits it works under, as plain data: the one place these facts are written.
+
+The backends and the loader read their limits from here, and `profile()` hands the same values to callers that
+choose models (they must not need a GPU, or even the engine's backends, to ask).
+"""
 
 from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
 
 from engine.arch import ARCHITECTURES
 from engine.kernels.gpu_layout import FLOAT_TYPES, PLANES
 from engine.quants import SUPPORTED_TYPES
+
+# The CuPy backend's kernels use warp-level matrix instructions and int8 dot products of Turing and newer.
+MIN_COMPUTE_CAPABILITY = (7, 5)
+# Used when the caller gives no context length and the model allows more.
+DEFAULT_CONTEXT = 8192
+# Tokens per prefill forward pass; sizes the activation workspace.
+MAX_PROMPT_CHUNK = 512
+# The GPU prompt path dequantizes one weight (or a row slice of a larger one) to this many fp16 values of scratch.
+DEQUANT_SCRATCH_ELEMENTS = 64 * 2**20
+# KV cache element types: fp16 on the GPU; float32 on the CPU, exact with respect to its float32 activations.
+GPU_KV_DTYPE = np.dtype(np.float16)
+CPU_KV_DTYPE = np.dtype(np.float32)
 
 
 def architectures() -> set[str]:
@@ -20,3 +40,22 @@ def cpu_tensor_types() -> set[str]:
 def gpu_tensor_types() -> set[str]:
     """Tensor types the GPU kernels compute on; a model with others is refused on the GPU at load."""
     return {t.name for t in (*PLANES, *FLOAT_TYPES)}
+
+
+def profile() -> dict[str, Any]:
+    """Every fact a model chooser needs about this engine, keyed as setup_logic's EngineProfile fields."""
+    return {
+        "supported_architectures": architectures(),
+        "supported_tensor_types": cpu_tensor_types(),
+        "gpu_tensor_types": gpu_tensor_types(),
+        "gpu_architectures": architectures(),
+        "min_compute_capability": MIN_COMPUTE_CAPABILITY,
+        # The NumPy CPU path keeps float32 copies of the weights (engine/backend_numpy.py).
+        "cpu_weights_dequantized_to_f32": True,
+        "kv_bytes_per_element_gpu": GPU_KV_DTYPE.itemsize,
+        "kv_bytes_per_element_cpu": CPU_KV_DTYPE.itemsize,
+        "prefill_chunk": MAX_PROMPT_CHUNK,
+        "default_context": DEFAULT_CONTEXT,
+        "dequant_scratch_elements": DEQUANT_SCRATCH_ELEMENTS,
+        "experts_in_ram": False,
+    }

@@ -14,6 +14,7 @@ import psutil
 from engine.arch import architecture_module
 from engine.backend import Backend
 from engine.backend_numpy import NumpyBackend
+from engine.capabilities import DEFAULT_CONTEXT, MAX_PROMPT_CHUNK
 from engine.chat_template import ChatTemplate
 from engine.errors import EngineError
 from engine.generate import GenerationResult, GenerationSettings, ModelState, generate, prefill, run_chunk
@@ -21,8 +22,6 @@ from engine.gguf_file import GGUFFile
 from engine.kv_cache import CachedTokens
 from engine.tokenizer import Tokenizer
 
-DEFAULT_CONTEXT = 4096  # used when the caller gives none and the model allows more
-MAX_PROMPT_CHUNK = 512  # tokens per prefill forward pass; sizes the activation workspace
 # Tokens that end an assistant turn in common chat templates, besides the file's own EOS/EOT ids.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<end_of_turn>", "<|endoftext|>", "<|end|>")
 

@@ -17,12 +17,12 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 from setup_logic.catalog import CatalogModel
+from setup_logic.engine_profile import EngineProfile
 from setup_logic.hardware import PcReport, best_gpu, gb
 
 Level = Literal["gpu", "gpu+ram", "cpu"]
 Goal = Literal["code", "chat", "speed", "quality"]
 
-DEFAULT_CONTEXT = 8192
 MIN_CONTEXT = 2048
 MIB = 1 << 20
 # The estimate is meant to be within ~15% of measured growth; keep 5% of the budget free on top of it so a
@@ -37,8 +37,6 @@ _RAM_PER_VOCAB_TOKEN = 1400
 # H200 (CUDA 13, CuPy 14.2) for three models (bench/RESULTS.md); other cards and CUDA versions are unmeasured.
 # The driver's host side in RAM is a typical figure, not measured against our engine.
 _CUDA_CONTEXT_BYTES = 610 * MIB
-# The GPU prompt path dequantizes one weight matrix at a time to fp16 scratch, capped at this many elements.
-_DEQUANT_SCRATCH_ELEMENTS = 64 * MIB
 _CUDA_HOST_BYTES = 300 * MIB
 # The NumPy CPU path is bound by reading its float32 weights once per token: about 10 GB/s on a 2-core EPYC
 # cloud machine, where decode runs on one BLAS thread (SmolLM2's 539 MB at 18-19 tokens/s, bench/bench_engine.py).
@@ -55,28 +53,6 @@ class Preferences(BaseModel):
     context_length: int | None = Field(default=None, ge=1, description="tokens of context wanted; None picks one")
     ram_bytes_override: int | None = Field(default=None, ge=0, description="RAM the model may use, instead of what is available now")
     vram_bytes_override: int | None = Field(default=None, ge=0, description="VRAM the model may use, instead of what is free now")
-
-
-class EngineProfile(BaseModel):
-    """What the engine can run and how it stores things; the MCP layer builds it from what the engine reports."""
-
-    supported_architectures: set[str]
-    supported_tensor_types: set[str]
-    cpu_weights_dequantized_to_f32: bool = Field(
-        default=True, description="the NumPy CPU path keeps float32 weights (4 bytes each); else the GGUF's bytes"
-    )
-    kv_bytes_per_element_gpu: int = 2
-    kv_bytes_per_element_cpu: int = 4
-    prefill_chunk: int = Field(default=512, gt=0, description="tokens per prompt chunk, which sizes the workspace")
-    gpu_tensor_types: set[str] | None = Field(
-        default=None, description="tensor types the GPU kernels run; None: every supported type"
-    )
-    gpu_architectures: set[str] | None = Field(
-        default=None, description="architectures the GPU path runs; None: every supported architecture"
-    )
-    experts_in_ram: bool = Field(
-        default=False, description="the engine can keep some MoE experts in RAM and compute them on the CPU"
-    )
 
 
 class MemoryEstimate(BaseModel):
@@ -149,11 +125,12 @@ def kv_cache_bytes(model: CatalogModel, context_length: int, bytes_per_element: 
     return layers * 2 * model.n_kv_heads * model.head_dim * context_length * bytes_per_element
 
 
-def workspace_bytes(model: CatalogModel, context_length: int, chunk: int, on_gpu: bool) -> int:
+def workspace_bytes(model: CatalogModel, context_length: int, engine: EngineProfile, on_gpu: bool) -> int:
     """float32 buffers for one prompt chunk (residual, norms, QKV, attention out, FFN and its scratch, last logits),
     the rotary cos/sin tables, and attention's working space: the NumPy reference holds one layer's scores for the
     chunk against the whole context, the GPU kernel only per-head partial sums (chunk x heads x (head_dim + 2));
     on the GPU also the prompt path's fp16 scratch."""
+    chunk = min(engine.prefill_chunk, context_length)
     q_dim = model.n_heads * model.head_dim
     kv_dim = model.n_kv_heads * model.head_dim
     ffn = model.n_ff * (model.n_experts_used or 1)
@@ -167,7 +144,7 @@ def workspace_bytes(model: CatalogModel, context_length: int, chunk: int, on_gpu
     # run per token without scratch).
     dense_ffn = 0 if model.is_moe else model.n_ff
     largest = max(dense_ffn, q_dim + 2 * kv_dim) * model.n_embd
-    fp16 = min(largest, _DEQUANT_SCRATCH_ELEMENTS) + chunk * max(model.n_ff, model.n_embd, q_dim)
+    fp16 = min(largest, engine.dequant_scratch_elements) + chunk * max(model.n_ff, model.n_embd, q_dim)
     return 4 * (chunk * per_token + model.vocab_size + attention + rope) + 2 * fp16
 
 
@@ -184,8 +161,7 @@ def estimate_memory(
     if context_length < 1:
         raise ValueError("context_length must be at least 1")
     file_bytes = model.file_bytes
-    chunk = min(engine.prefill_chunk, context_length)
-    workspace = workspace_bytes(model, context_length, chunk, on_gpu=level != "cpu")
+    workspace = workspace_bytes(model, context_length, engine, on_gpu=level != "cpu")
     ram_overhead = _RAM_BASE_BYTES + model.vocab_size * _RAM_PER_VOCAB_TOKEN
     f32 = engine.cpu_weights_dequantized_to_f32
     if level == "cpu":
@@ -272,8 +248,8 @@ class _Budget:
     avx2: bool | None
 
 
-def _budget(report: PcReport, prefs: Preferences) -> _Budget:
-    gpu = best_gpu(report.gpus)
+def _budget(report: PcReport, prefs: Preferences, engine: EngineProfile) -> _Budget:
+    gpu = best_gpu(report.gpus, engine)
     vram = prefs.vram_bytes_override if prefs.vram_bytes_override is not None else (gpu.vram_free_bytes if gpu else 0)
     ram = prefs.ram_bytes_override if prefs.ram_bytes_override is not None else report.ram_available_bytes
     name = gpu.name if gpu else "the GPU given by the VRAM override"
@@ -318,12 +294,11 @@ def _largest_context(model: CatalogModel, level: Level, engine: EngineProfile, b
 
 def gpu_gap(model: CatalogModel, engine: EngineProfile) -> str | None:
     """Why the GPU path cannot run this model yet, or None when it can."""
-    if engine.gpu_architectures is not None and model.architecture not in engine.gpu_architectures:
+    if model.architecture not in engine.gpu_architectures:
         return f"the GPU path does not run the {model.architecture} architecture yet"
-    if engine.gpu_tensor_types is not None:
-        missing = sorted(set(model.tensor_types) - engine.gpu_tensor_types)
-        if missing:
-            return f"the GPU kernels do not cover its {', '.join(missing)} tensors yet"
+    missing = sorted(set(model.tensor_types) - engine.gpu_tensor_types)
+    if missing:
+        return f"the GPU kernels do not cover its {', '.join(missing)} tensors yet"
     return None
 
 
@@ -339,7 +314,7 @@ def _levels(model: CatalogModel, engine: EngineProfile, budget: _Budget) -> list
 
 def fit_model(model: CatalogModel, report: PcReport, prefs: Preferences, engine: EngineProfile) -> FitResult:
     """The fastest level at which the model runs with enough context, the context to use, and why."""
-    return _fit(model, _budget(report, prefs), prefs, engine)
+    return _fit(model, _budget(report, prefs, engine), prefs, engine)
 
 
 def _fit(model: CatalogModel, budget: _Budget, prefs: Preferences, engine: EngineProfile) -> FitResult:
@@ -349,7 +324,7 @@ def _fit(model: CatalogModel, budget: _Budget, prefs: Preferences, engine: Engin
             model_id=model.id, level="none", context_length=None, largest_context_that_fits=None, memory=None,
             reason=f"It handles at most {model.context_max} tokens of context, fewer than the {wanted} asked for.",
         )
-    target = wanted or min(DEFAULT_CONTEXT, model.context_max)
+    target = wanted or min(engine.default_context, model.context_max)
     floor = wanted or min(MIN_CONTEXT, model.context_max)
     too_slow = None
     for level in _levels(model, engine, budget):
@@ -492,7 +467,7 @@ def recommend(
     installed_ids: set[str] | frozenset[str] = frozenset(),
 ) -> Recommendation:
     """Pick the model for this PC and goal, with the runners-up, those that do not fit and those not supported."""
-    budget = _budget(report, prefs)
+    budget = _budget(report, prefs, engine)
     fitting: list[tuple[CatalogModel, FitResult]] = []
     not_fitting: list[RejectedModel] = []
     not_supported: list[RejectedModel] = []

@@ -17,9 +17,9 @@ from typing import Literal
 import psutil
 from pydantic import BaseModel, Field
 
+from setup_logic.engine_profile import EngineProfile
+
 GIB = 1 << 30
-# CUDA 12, which our CuPy wheels use, dropped Kepler; older cards cannot run the engine's kernels.
-MIN_COMPUTE_CAPABILITY = (5, 0)
 # Rough rule for the verdict line only: a Q4_K_M file holds about 0.6 bytes per weight (Qwen3-8B: 5.03 GB for
 # 8.19B), and ~3 GB of the card goes to the CUDA context, KV cache and workspace. fit.py does the real estimate.
 _Q4_BYTES_PER_PARAM = 0.6
@@ -242,17 +242,14 @@ def _read_int(path: Path) -> int | None:
     return int(text) if text.isdigit() else None
 
 
-def usable_by_engine(gpu: GpuInfo) -> bool:
-    """The engine runs CUDA kernels through CuPy, so only NVIDIA GPUs new enough for CUDA 12."""
-    if gpu.vendor != "nvidia" or gpu.compute_capability is None:
-        return False
-    major, minor = (int(x) for x in gpu.compute_capability.split("."))
-    return (major, minor) >= MIN_COMPUTE_CAPABILITY
+def usable_by_engine(gpu: GpuInfo, engine: EngineProfile) -> bool:
+    """The engine runs CUDA kernels through CuPy: only NVIDIA GPUs as new as its kernels need."""
+    return gpu.vendor == "nvidia" and engine.gpu_usable(gpu.compute_capability)
 
 
-def best_gpu(gpus: list[GpuInfo]) -> GpuInfo | None:
+def best_gpu(gpus: list[GpuInfo], engine: EngineProfile) -> GpuInfo | None:
     """The usable GPU with the most free VRAM (the engine runs on one GPU); ties go to the lower index."""
-    usable = [g for g in gpus if usable_by_engine(g)]
+    usable = [g for g in gpus if usable_by_engine(g, engine)]
     return max(usable, key=lambda g: (g.vram_free_bytes, -g.index), default=None)
 
 
@@ -262,11 +259,11 @@ def _dense_q4_billions(vram_bytes: int) -> int:
 
 
 def judge(
-    cpu: CpuInfo, gpus: list[GpuInfo], ram_total: int, ram_available: int, disk_free_bytes: int
+    cpu: CpuInfo, gpus: list[GpuInfo], ram_total: int, ram_available: int, disk_free_bytes: int, engine: EngineProfile
 ) -> tuple[str, list[str]]:
     """The one-line verdict and the reasons behind it."""
     reasons = []
-    gpu = best_gpu(gpus)
+    gpu = best_gpu(gpus, engine)
     if gpu is not None:
         billions = _dense_q4_billions(gpu.vram_free_bytes)
         if billions >= 1:
@@ -291,10 +288,11 @@ def judge(
                 f"{other.name} ({gb(other.vram_total_bytes)}) is an AMD GPU; the engine runs on NVIDIA GPUs "
                 "(CUDA) and the CPU, so it is not used."
             )
-        elif not usable_by_engine(other):
+        elif not usable_by_engine(other, engine):
             reasons.append(
-                f"NVIDIA {other.name} (compute capability {other.compute_capability}) is older than CUDA 12 "
-                "supports, so it is not used."
+                f"NVIDIA {other.name} (compute capability {other.compute_capability}) is older than the "
+                f"{engine.min_compute_capability_text} the engine's GPU kernels need, so it is not used; models "
+                "run on the CPU instead."
             )
         else:
             reasons.append(f"NVIDIA {other.name} is not used: the engine runs on one GPU, the one with most free VRAM.")
@@ -313,14 +311,14 @@ def judge(
     return verdict, reasons
 
 
-def probe(data_dir: Path) -> PcReport:
-    """Check this PC; the disk figure is for the drive that holds data_dir."""
+def probe(data_dir: Path, engine: EngineProfile) -> PcReport:
+    """Check this PC for what `engine` can run; the disk figure is for the drive that holds data_dir."""
     cpu = probe_cpu()
     memory = psutil.virtual_memory()
     nvidia, notes = probe_nvidia()
     gpus = nvidia + (probe_amd() if platform.system() == "Linux" else [])
     disk_path, free = disk_free(data_dir)
-    verdict, reasons = judge(cpu, gpus, memory.total, memory.available, free)
+    verdict, reasons = judge(cpu, gpus, memory.total, memory.available, free, engine)
     return PcReport(
         os=probe_os(),
         cpu=cpu,

@@ -20,7 +20,8 @@ import psutil
 from engine import EngineError, LoadedModel, capabilities, load_model
 from setup_logic.catalog import get_model
 from setup_logic.errors import SetupError, UnknownModelError
-from setup_logic.fit import EngineProfile, MemoryEstimate, estimate_memory
+from setup_logic.engine_profile import EngineProfile
+from setup_logic.fit import MemoryEstimate, estimate_memory
 from setup_logic.install import Installer
 from setup_logic.store import Store
 
@@ -43,11 +44,7 @@ def measure_memory() -> dict:
 
 def engine_profile() -> EngineProfile:
     """What our engine runs, as data for setup_logic (which must not import the engine)."""
-    return EngineProfile(
-        supported_architectures=capabilities.architectures(),
-        supported_tensor_types=capabilities.cpu_tensor_types(),
-        gpu_tensor_types=capabilities.gpu_tensor_types(),
-    )
+    return EngineProfile(**capabilities.profile())
 
 
 class UserError(Exception):

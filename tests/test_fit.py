@@ -5,28 +5,32 @@ from pathlib import Path
 import pytest
 
 from setup_logic.catalog import get_model, load_catalog
-from setup_logic.fit import (
-    EngineProfile, Preferences, estimate_memory, fit_model, kv_cache_bytes, recommend, workspace_bytes,
-)
+from engine import capabilities
+from setup_logic.engine_profile import EngineProfile
+from setup_logic.fit import Preferences, estimate_memory, fit_model, kv_cache_bytes, recommend, workspace_bytes
 from setup_logic.hardware import GIB, CpuInfo, GpuInfo, OsInfo, PcReport
 
 MIB = 1 << 20
 COMMON_TYPES = {"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}
 ARCHS = {"llama", "qwen3", "qwen3moe", "gemma3", "qwen2"}
-ENGINE = EngineProfile(supported_architectures=ARCHS, supported_tensor_types=COMMON_TYPES)
+# The engine's own profile, widened to every architecture the catalog's fit cases need.
+REAL = EngineProfile(**capabilities.profile())
+ENGINE = REAL.model_copy(update={"supported_architectures": ARCHS, "gpu_architectures": ARCHS,
+                                 "supported_tensor_types": COMMON_TYPES, "gpu_tensor_types": COMMON_TYPES})
 # The planned engine: experts may live in RAM, computed by the CPU, with or without a float32 copy.
 MOE_F32 = ENGINE.model_copy(update={"experts_in_ram": True})
 MOE_QUANT = ENGINE.model_copy(update={"experts_in_ram": True, "cpu_weights_dequantized_to_f32": False})
-TODAY = EngineProfile(supported_architectures={"llama"}, supported_tensor_types={"F32", "Q4_1", "Q8_0"})
+TODAY = ENGINE.model_copy(update={"supported_architectures": {"llama"}, "gpu_architectures": {"llama"},
+                                  "supported_tensor_types": {"F32", "Q4_1", "Q8_0"}})
 
 
-def pc(ram_gb, available_gb, gpus=(), avx2=True) -> PcReport:
+def pc(ram_gb, available_gb, gpus=(), avx2=True, capability="8.9") -> PcReport:
     cpu = CpuInfo(model="test CPU", physical_cores=8, logical_cores=16, avx=True, avx2=avx2, avx512f=False,
                   fma=True, f16c=True)
     cards = [
         GpuInfo(index=i, vendor="nvidia", name=name, vram_total_bytes=int(total * GIB),
                 vram_free_bytes=int(free * GIB), vram_used_bytes=int((total - free) * GIB), driver_version="570.86",
-                compute_capability="8.9", source="nvml")
+                compute_capability=capability, source="nvml")
         for i, (name, total, free) in enumerate(gpus)
     ]
     return PcReport(os=OsInfo(name="Linux", version="test", machine="x86_64", wsl=False), cpu=cpu,
@@ -62,11 +66,11 @@ def test_gpu_estimate_uploads_the_quantized_file():
     e = estimate_memory(qwen, 8192, "gpu", ENGINE)
     assert e.gpu_weights_bytes == 5_027_783_488 and e.ram_weights_bytes == 0
     assert e.vram_bytes == e.gpu_weights_bytes + e.kv_cache_bytes + e.workspace_bytes + e.gpu_overhead_bytes
-    assert e.workspace_bytes == workspace_bytes(qwen, 8192, 512, on_gpu=True)
+    assert e.workspace_bytes == workspace_bytes(qwen, 8192, ENGINE, on_gpu=True)
     # The GPU's attention keeps partial sums, not the chunk's scores against the whole context as NumPy does.
     # ...and the GPU's prompt path holds fp16 scratch: the gate matrix dequantized, and the chunk's FFN activations.
     fp16_scratch = 2 * (12288 * 4096 + 512 * 12288)
-    assert workspace_bytes(qwen, 8192, 512, on_gpu=False) - e.workspace_bytes == 4 * 512 * 32 * (8192 - 130) - fp16_scratch
+    assert workspace_bytes(qwen, 8192, ENGINE, on_gpu=False) - e.workspace_bytes == 4 * 512 * 32 * (8192 - 130) - fp16_scratch
     assert 600 * MIB <= e.gpu_overhead_bytes <= 700 * MIB
     assert e.ram_required_bytes == e.ram_overhead_bytes < 1 * GIB
     assert e.ram_bytes == e.ram_required_bytes + qwen.file_bytes
@@ -256,6 +260,32 @@ def test_budgets_come_from_the_best_gpu_and_available_ram():
     assert rec.vram_budget_bytes == 11 * GIB and rec.ram_budget_bytes == 40 * GIB
     rec = recommend(report, load_catalog(), Preferences(vram_bytes_override=0, ram_bytes_override=GIB * 20), ENGINE)
     assert rec.vram_budget_bytes == 0 and rec.choice.level == "cpu"
+
+
+def test_a_gpu_older_than_the_kernels_need_is_not_offered():
+    # A Pascal card (compute capability 6.1): the engine's GPU kernels need 7.5, so the fit must plan for the CPU,
+    # as `start` would then load there, rather than promise the GPU.
+    pascal = pc(32, 26, [("GTX 1080", 8, 7.5)], capability="6.1")
+    rec = recommend(pascal, load_catalog(), Preferences(), REAL)
+    assert rec.vram_budget_bytes == 0
+    assert rec.choice is not None and rec.choice.level == "cpu"
+    turing = pc(32, 26, [("RTX 2080", 8, 7.5)], capability="7.5")
+    assert recommend(turing, load_catalog(), Preferences(), REAL).choice.level == "gpu"
+
+
+def test_the_profile_is_what_the_engine_does(smollm2_gguf):
+    # The profile's facts are the engine's own: a load without a context takes the profile's default, the
+    # workspace holds the profile's prompt chunk, and the CPU cache has the profile's element size.
+    from engine.model import load_model
+
+    model = load_model(smollm2_gguf, device="cpu")
+    try:
+        assert model.info.context_length == min(REAL.default_context, model.info.max_context_length)
+        state = model._live_state()
+        assert state.workspace.max_chunk == REAL.prefill_chunk
+        assert state.cache.dtype.itemsize == REAL.kv_bytes_per_element_cpu
+    finally:
+        model.close()
 
 
 MEASURE = """

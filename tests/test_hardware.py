@@ -3,10 +3,14 @@ from types import SimpleNamespace
 
 import pytest
 
+from engine import capabilities
 from setup_logic import hardware
+from setup_logic.engine_profile import EngineProfile
 from setup_logic.hardware import (
     GIB, CpuInfo, GpuInfo, best_gpu, disk_free, judge, parse_cpuinfo, probe, probe_amd, probe_cpu, probe_nvidia,
 )
+
+ENGINE = EngineProfile(**capabilities.profile())
 
 INTEL_CPUINFO = """processor\t: 0
 vendor_id\t: GenuineIntel
@@ -161,19 +165,19 @@ def nvidia(name="RTX 4090", total=24, free=23.5, cc="8.9", index=0):
 
 
 def test_verdict_for_a_24_gb_card():
-    verdict, reasons = judge(cpu(), [nvidia()], 64 * GIB, 50 * GIB, 500 * GIB)
+    verdict, reasons = judge(cpu(), [nvidia()], 64 * GIB, 50 * GIB, 500 * GIB, ENGINE)
     assert verdict == "NVIDIA RTX 4090 with 24 GB: models up to ~35B dense in Q4 run on the GPU"
     assert reasons == ["64 GB of RAM, 50 GB available now."]
 
 
 def test_verdict_names_vram_held_by_other_programs():
-    verdict, reasons = judge(cpu(), [nvidia(total=12, free=4, name="RTX 3060")], 32 * GIB, 20 * GIB, 500 * GIB)
+    verdict, reasons = judge(cpu(), [nvidia(total=12, free=4, name="RTX 3060")], 32 * GIB, 20 * GIB, 500 * GIB, ENGINE)
     assert verdict.startswith("NVIDIA RTX 3060 with 12 GB: models up to ~1B")
     assert "Other programs already use 8 GB of its VRAM, so 4 GB is free" in reasons[0]
 
 
 def test_verdict_without_gpu_and_without_avx2():
-    verdict, reasons = judge(cpu(avx2=False), [], 8 * GIB, 6 * GIB, 5 * GIB)
+    verdict, reasons = judge(cpu(avx2=False), [], 8 * GIB, 6 * GIB, 5 * GIB, ENGINE)
     assert verdict == "No usable GPU: the CPU path runs small models only"
     assert "AVX2 missing: CPU inference will be slow." in reasons
     assert any("Under 16 GB of RAM" in r for r in reasons)
@@ -185,23 +189,33 @@ def test_amd_and_too_old_nvidia_cards_are_explained_not_used():
                   vram_free_bytes=24 * GIB, vram_used_bytes=0, driver_version=None, compute_capability=None,
                   source="sysfs")
     kepler = nvidia(name="Tesla K80", total=12, free=12, cc="3.7")
-    assert best_gpu([amd, kepler]) is None
-    verdict, reasons = judge(cpu(), [amd, kepler], 32 * GIB, 30 * GIB, 500 * GIB)
+    assert best_gpu([amd, kepler], ENGINE) is None
+    verdict, reasons = judge(cpu(), [amd, kepler], 32 * GIB, 30 * GIB, 500 * GIB, ENGINE)
     assert verdict.startswith("No usable GPU")
     assert any("AMD GPU" in r and "NVIDIA GPUs (CUDA)" in r for r in reasons)
     assert any("Tesla K80" in r and "3.7" in r for r in reasons)
 
 
+def test_a_card_between_cuda_12_and_the_kernels_needs_is_not_used():
+    # CUDA 12 runs Pascal, but the engine's kernels need the profile's 7.5: a GTX 1080 must not count as usable.
+    pascal = nvidia(name="GTX 1080", total=8, free=7.5, cc="6.1")
+    assert best_gpu([pascal], ENGINE) is None
+    verdict, reasons = judge(cpu(), [pascal], 32 * GIB, 30 * GIB, 500 * GIB, ENGINE)
+    assert verdict.startswith("No usable GPU")
+    assert any("GTX 1080" in r and "6.1" in r and "7.5" in r for r in reasons)
+    assert best_gpu([nvidia(name="RTX 2080", cc="7.5")], ENGINE) is not None
+
+
 def test_best_gpu_is_the_one_with_most_free_vram():
     small = nvidia(name="RTX 3060", total=12, free=11, index=0)
     big_busy = nvidia(name="RTX 4080", total=16, free=6, index=1)
-    assert best_gpu([small, big_busy]) is small
+    assert best_gpu([small, big_busy], ENGINE) is small
 
 
 def test_probe_assembles_a_report_without_a_gpu(monkeypatch, tmp_path):
     monkeypatch.setattr(hardware, "probe_nvidia", lambda: ([], ["NVML did not start (test)."]))
     monkeypatch.setattr(hardware, "probe_amd", lambda: [])
-    report = probe(tmp_path / "data")
+    report = probe(tmp_path / "data", ENGINE)
     assert report.gpus == []
     assert report.disk_path == str(tmp_path)
     assert report.ram_total_bytes >= report.ram_available_bytes > 0

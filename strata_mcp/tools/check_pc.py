@@ -6,7 +6,7 @@ from mcp.types import ToolAnnotations
 from pydantic import BaseModel, Field
 
 from setup_logic.hardware import PcReport, probe
-from strata_mcp.runtime import Runtime
+from strata_mcp.runtime import Runtime, engine_profile
 from strata_mcp.tooling import Reporter, ToolSpec
 
 
@@ -20,7 +20,7 @@ class CheckPcOutput(BaseModel):
 
 
 def run(runtime: Runtime, args: CheckPcInput, reporter: Reporter) -> CheckPcOutput:
-    report = probe(runtime.store.data_dir)
+    report = probe(runtime.store.data_dir, engine_profile())
     return CheckPcOutput(summary=report.verdict, pc=report)
 
 

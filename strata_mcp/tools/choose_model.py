@@ -37,7 +37,7 @@ def run(runtime: Runtime, args: ChooseModelInput, reporter: Reporter) -> Recomme
         vram_bytes_override=None if args.vram_gb is None else int(args.vram_gb * GIB),
     )
     installed = {m.id for m in runtime.store.installed()}
-    return recommend(probe(runtime.store.data_dir), load_catalog(), prefs, engine_profile(), installed)
+    return recommend(probe(runtime.store.data_dir, engine_profile()), load_catalog(), prefs, engine_profile(), installed)
 
 
 SPEC = ToolSpec(

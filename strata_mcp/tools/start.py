@@ -51,7 +51,7 @@ def _fitted_context(runtime: Runtime, model_id: str, device: str) -> int | None:
     except UnknownModelError:  # installed from a catalog that is no longer configured
         return None
     prefs = Preferences(vram_bytes_override=0 if device == "cpu" else None)
-    return fit_model(model, probe(runtime.store.data_dir), prefs, engine_profile()).context_length
+    return fit_model(model, probe(runtime.store.data_dir, engine_profile()), prefs, engine_profile()).context_length
 
 
 def run(runtime: Runtime, args: StartInput, reporter: Reporter) -> StartOutput:

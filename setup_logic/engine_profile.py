@@ -1,0 +1,37 @@
+"""What the engine can run and how it stores things, as setup_logic receives it.
+
+setup_logic never imports the engine: the MCP layer fills this from `engine.capabilities.profile()`, so the facts
+are written once, in the engine, and every field here must be given.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+
+class EngineProfile(BaseModel):
+    supported_architectures: set[str] = Field(description="GGUF architectures the engine runs on the CPU")
+    supported_tensor_types: set[str] = Field(description="tensor types the CPU path reads")
+    gpu_tensor_types: set[str] = Field(description="tensor types the GPU kernels compute on")
+    gpu_architectures: set[str] = Field(description="architectures the GPU path runs")
+    min_compute_capability: tuple[int, int] = Field(description="oldest NVIDIA compute capability the GPU kernels run on")
+    cpu_weights_dequantized_to_f32: bool = Field(
+        description="the CPU path keeps float32 weights (4 bytes each); else the GGUF's bytes"
+    )
+    kv_bytes_per_element_gpu: int = Field(gt=0)
+    kv_bytes_per_element_cpu: int = Field(gt=0)
+    prefill_chunk: int = Field(gt=0, description="tokens per prompt chunk, which sizes the workspace")
+    default_context: int = Field(gt=0, description="context the engine uses when none is asked for")
+    dequant_scratch_elements: int = Field(ge=0, description="fp16 scratch of the GPU prompt path, in values")
+    experts_in_ram: bool = Field(description="the engine can keep some MoE experts in RAM and compute them on the CPU")
+
+    def gpu_usable(self, compute_capability: str | None) -> bool:
+        """Whether an NVIDIA GPU of this compute capability ("8.9") runs the engine's kernels."""
+        if compute_capability is None:
+            return False
+        major, minor = (int(x) for x in compute_capability.split("."))
+        return (major, minor) >= tuple(self.min_compute_capability)
+
+    @property
+    def min_compute_capability_text(self) -> str:
+        return ".".join(map(str, self.min_compute_capability))
