@@ -6,8 +6,10 @@ as variables."""
 from __future__ import annotations
 
 import json
+import re
+import uuid
 from datetime import datetime
-from typing import Any
+from typing import Any, Callable
 
 import jinja2
 from jinja2.ext import Extension, loopcontrols
@@ -99,6 +101,31 @@ class ChatTemplate:
                 f"The chat template of {self._model_name} rejected this conversation: {exc}. "
                 "Change the messages to fit what the model expects."
             ) from None
+
+    def render_segments(
+        self, messages: list[dict[str, Any]], is_control_text: Callable[[str], bool], add_generation_prompt: bool = True
+    ) -> list[tuple[str, bool]]:
+        """The rendered prompt as (text, from_content) pieces, so that the caller can encode what a message says as
+        plain text and parse special tokens only where the template itself writes them.
+
+        A message whose content holds control-token text (is_control_text) is rendered through a placeholder that
+        is swapped back for its content afterwards; other messages render as they are, so a template that rewrites
+        content (trims it, drops a reasoning block) still does so wherever no forged control token is at stake."""
+        marker = f"\ue000{uuid.uuid4().hex}:"
+        protected: dict[str, str] = {}
+        shown = []
+        for index, message in enumerate(messages):
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, str) and is_control_text(content):
+                placeholder = f"{marker}{index}\ue001"
+                protected[placeholder] = content
+                message = {**message, "content": placeholder}
+            shown.append(message)
+        text = self.render(shown, add_generation_prompt)
+        if not protected:
+            return [(text, False)]
+        pieces = re.split(f"({re.escape(marker)}\\d+\ue001)", text)
+        return [(protected[p], True) if p in protected else (p, False) for p in pieces if p]
 
 
 def check_messages(messages: Any) -> None:

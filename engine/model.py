@@ -104,6 +104,13 @@ class LoadedModel:
             raise EngineError(f"{self.info.name} has no chat template; use complete() with a raw prompt instead.")
         return self._template.render(messages, add_generation_prompt=True)
 
+    def chat_tokens(self, messages: list[dict[str, Any]]) -> list[int]:
+        """The prompt tokens of a conversation, its messages' content encoded as plain text."""
+        if self._template is None:
+            raise EngineError(f"{self.info.name} has no chat template; use complete() with a raw prompt instead.")
+        segments = self._template.render_segments(messages, self.tokenizer.holds_control_text)
+        return self.tokenizer.encode_segments(segments)
+
     def chat(
         self,
         messages: list[dict[str, Any]],
@@ -112,8 +119,9 @@ class LoadedModel:
         should_stop: Callable[[], bool] | None = None,
     ) -> GenerationResult:
         """Answer a conversation. The KV cache of the longest token prefix shared with the previous call is
-        reused, so a follow-up turn only processes the new tokens."""
-        prompt = self.tokenizer.encode(self.render_chat(messages))
+        reused, so a follow-up turn only processes the new tokens. What the messages say is text: control tokens
+        come only from the chat template."""
+        prompt = self.chat_tokens(messages)
         return self._generate(prompt, settings, on_text, should_stop)
 
     def complete(

@@ -77,6 +77,7 @@ class Tokenizer:
             self._hf, self.special_ids, self._bytes = build_sentencepiece(gguf, tokens, token_types)
         else:
             self._build_byte_level(gguf, tokens, token_types)
+        self._plain: HFTokenizer | None = None  # made on first use by encode_plain
         self._ids = {t: i for i, t in enumerate(tokens)}
         self.vocab_size = len(tokens)
         self.bos_id = gguf.get("tokenizer.ggml.bos_token_id")
@@ -123,6 +124,26 @@ class Tokenizer:
         ids = self._hf.encode(text, add_special_tokens=False).ids
         if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
             ids = [self.bos_id, *ids]
+        return ids
+
+    def encode_plain(self, text: str) -> list[int]:
+        """Token ids of text with no special token parsed: "<|im_start|>" written in it stays those characters."""
+        if self._plain is None:
+            # The same tokenizer with control tokens matched as plain text: a chat message never becomes one.
+            self._plain = HFTokenizer.from_str(self._hf.to_str())
+            self._plain.encode_special_tokens = True
+        return self._plain.encode(text, add_special_tokens=False).ids
+
+    def holds_control_text(self, text: str) -> bool:
+        """Whether text spells a control token somewhere (e.g. "<|im_end|>"); the tokenizer's own matcher finds them."""
+        return not self.special_ids.isdisjoint(self._hf.encode(text, add_special_tokens=False).ids)
+
+    def encode_segments(self, segments: list[tuple[str, bool]]) -> list[int]:
+        """Token ids of (text, plain) pieces in order: plain pieces through encode_plain, the others with special
+        tokens parsed; BOS as `encode` adds it."""
+        ids = [self.bos_id] if self.add_bos and self.bos_id is not None else []
+        for text, plain in segments:
+            ids += self.encode_plain(text) if plain else self._hf.encode(text, add_special_tokens=False).ids
         return ids
 
     def token_bytes(self, token_id: int) -> bytes:
