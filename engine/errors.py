@@ -11,3 +11,7 @@ class EngineError(Exception):
 
 class Cancelled(EngineError):
     """The caller asked to stop (through `should_cancel`) before the work finished."""
+
+
+class DamagedModel(EngineError):
+    """The model computed NaN or infinity: its weights are damaged (a file changed on disk, a bad download)."""

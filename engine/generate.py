@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from engine.backend import Backend, KVCache, SamplingParams
-from engine.errors import EngineError
+from engine.errors import DamagedModel, EngineError
 from engine.kv_cache import CachedTokens
 from engine.sampler import Sampler
 from engine.tokenizer import Tokenizer
@@ -135,6 +135,18 @@ def check_fits(state: ModelState, n_tokens: int) -> None:
         )
 
 
+def check_finite(state: ModelState, logits) -> None:
+    """Raise DamagedModel when the logits hold NaN or infinity (and forget the cache that produced them): sound
+    weights never give these, so the file is damaged, and sampling from them would only give empty answers."""
+    if np.isfinite(state.backend.to_host(logits)).all():
+        return
+    state.cached.clear()
+    raise DamagedModel(
+        "The model produced invalid numbers (NaN or infinity) for this prompt, so its weights are damaged; verify "
+        "its file or download it again before using it."
+    )
+
+
 class StopStringFilter:
     """Passes text on as it grows, holding back any tail that could still become a stop string, and cuts the
     text before the first stop string."""
@@ -188,6 +200,8 @@ def generate(
     sampler = Sampler(state.backend, settings.sampling(), settings.seed, prompt)
     started = time.perf_counter()
     logits, reused = prefill(state, prompt, should_stop)
+    if logits is not None:
+        check_finite(state, logits)
     if logits is None:
         elapsed = time.perf_counter() - started
         return GenerationResult("", "cancelled", len(prompt), reused, 0, elapsed, 0.0, 0.0, 0.0)

@@ -163,3 +163,25 @@ def test_repeat_penalty_generation_matches_a_step_by_step_loop(model):
     assert result.text == model.tokenizer.decode(history[len(ids):])
     plain = model.complete(prompt, GenerationSettings(temperature=0, max_tokens=10, ignore_eos=True))
     assert plain.text != result.text, "the penalty should change this repetitive continuation"
+
+
+def test_nan_logits_are_reported_as_a_damaged_model(smollm2_gguf, tmp_path):
+    # A file changed on disk (here the final norm's weights overwritten with NaN) must not give an empty answer:
+    # the first logits are checked, and the cache that produced them is dropped.
+    from gguf import GGUFReader
+
+    from engine import DamagedModel
+
+    damaged = tmp_path / "damaged.gguf"
+    damaged.write_bytes(smollm2_gguf.read_bytes())
+    tensor = next(t for t in GGUFReader(damaged).tensors if t.name == "output_norm.weight")
+    with damaged.open("r+b") as f:
+        f.seek(tensor.data_offset)
+        f.write(np.full(tensor.n_elements, np.nan, np.float32).tobytes())
+    model = load_model(damaged, device="cpu", context_length=128)
+    try:
+        with pytest.raises(DamagedModel, match="invalid numbers"):
+            model.complete("Hello", GenerationSettings(max_tokens=4, temperature=0))
+        assert len(model._live_state().cached) == 0
+    finally:
+        model.close()
