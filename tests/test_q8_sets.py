@@ -25,7 +25,8 @@ def random_view(buf: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     for n in buf.shape:
         lo, hi = sorted(rng.integers(0, n + 1, 2))
         step = int(rng.integers(1, 4)) * (1 if rng.random() < 0.7 else -1)
-        views.append(slice(lo, hi, step) if step > 0 else slice(hi - 1 if hi > 0 else None, lo - 1 if lo > 0 else None, step))
+        reverse = slice(hi - 1 if hi > 0 else None, lo - 1 if lo > 0 else None, step)
+        views.append(slice(lo, hi, step) if step > 0 else reverse)
     view = buf[tuple(views)]
     return view.T if rng.random() < 0.3 else view
 
