@@ -98,18 +98,35 @@ def launched_literals() -> set[tuple[str, str]]:
     return found
 
 
+N = kernel_names
+# One name of each kernel_names function's making, from the kind a call in cuda.py passes (if it takes one).
+SAMPLE = {
+    "typed": lambda kind: N.typed(kind, N.PER_TYPE[kind][1][0]),
+    "shaped": lambda kind: N.shaped(kind, N.QUANT_TYPES[0], N.SHAPES[kind][0]),
+    "per_head_dim": lambda kind: N.per_head_dim(kind, N.HEAD_DIMS[0]),
+    "stream": lambda: N.stream(N.QUANT_TYPES[0], ""),
+    "dequant": lambda: N.dequant(N.QUANT_TYPES[0], True),
+}
+
+
 def test_cuda_py_builds_kernel_names_only_through_kernel_names():
-    """Names are string literals or kernel_names' functions (with kinds its data knows): an f-string in cuda.py
-    is an error message, nothing else, so built() below covers every name the launchers can build."""
+    """Names are string literals or kernel_names' functions, with kinds its data knows and launched from the
+    module that builds them: an f-string in cuda.py is an error message, nothing else, so kernel_names.built()
+    covers every name the launchers can build."""
     tree = ast.parse(CUDA_PY.read_text())
     in_raise = {id(n) for r in ast.walk(tree) if isinstance(r, ast.Raise) for n in ast.walk(r)}
-    assert all(id(n) in in_raise for n in ast.walk(tree) if isinstance(n, ast.JoinedStr))
-    kinds = {"typed": kernel_names.PER_TYPE, "shaped": kernel_names.SHAPES, "per_head_dim": kernel_names.PER_HEAD_DIM}
+    stray = [ast.unparse(n) for n in ast.walk(tree) if isinstance(n, ast.JoinedStr) and id(n) not in in_raise]
+    assert not stray, f"names built outside kernel_names: {stray}"
+    built = N.built(90)
     calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
-             and getattr(n.func.value, "id", "") == "N" and n.func.attr in kinds]
-    assert len(calls) >= 10
+             and getattr(n.func.value, "id", "") == "N" and n.func.attr in SAMPLE]
+    assert len(calls) >= 13
     for call in calls:
-        assert call.args[0].value in kinds[call.func.attr], ast.unparse(call)
+        kind = [a.value for a in call.args[:1] if isinstance(a, ast.Constant)]
+        name = SAMPLE[call.func.attr](*kind)  # a kind that the data lacks raises here
+        for launch in ast.walk(tree):
+            if isinstance(launch, ast.Call) and getattr(launch.func, "id", "") == "launch" and launch.args[1] is call:
+                assert name in built[launch.args[0].value], ast.unparse(launch)
     assert len(launched_literals()) >= 10
 
 
