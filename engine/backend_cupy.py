@@ -189,7 +189,8 @@ class CupyBackend:
         graph: list[Any] = []
 
         def run() -> None:
-            self._q8_holds.forget()  # the graph reuses only int8 groups its own kernels made
+            # The graph reuses only int8 groups its own kernels made; its replays write where Q8Sets cannot see.
+            self._q8_holds.forget()
             if graph:
                 graph[0].launch(self.stream)
                 return
