@@ -245,17 +245,13 @@ def _resident_blocks(name: str, threads: int) -> int | None:
     return per_sm.value * cupy.cuda.Device().attributes["MultiProcessorCount"]
 
 
-LEAN_STREAM_TYPES = (T.Q4_0,)  # where the 32-register streamed form paid on an H200 (8B Q4_0); it cost Q4_K 4%
-
-
 def _stream_grid(w: GpuWeight, m: int, k: int) -> tuple[str, int]:
     """The streamed kernel and its grid for an (m, k) product: as many blocks as the GPU holds, or fewer when
-    the rows run out. For LEAN_STREAM_TYPES, of the plain kernel and its 32-register form (more blocks a
+    the rows run out. For N.LEAN_STREAM_TYPES, of the plain kernel and its 32-register form (more blocks a
     multiprocessor where registers bound them, at the cost of a few spilled bytes) the one that goes round its
     rows fewer times: the last round's blocks finish alone (8B FFN down: 6 rounds of 396 blocks, or 4 of 528)."""
     row_sets = _blocks(m, sources.STREAM_ROWS)
-    forms = ("", "_lean") if w.qtype in LEAN_STREAM_TYPES else ("",)
-    names = [N.stream(w.qtype, form) for form in forms]
+    names = [N.stream(w.qtype, form) for form in N.stream_forms(w.qtype)]
     grids = [(name, min(row_sets, _resident_blocks(name, k // 32) or row_sets)) for name in names]
     return min(grids, key=lambda g: _blocks(row_sets, g[1]))  # the first, the plain form, on a tie
 

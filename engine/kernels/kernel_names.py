@@ -3,8 +3,9 @@ instantiate, and the data they are built from: weight types (FOR_EACH_QUANT and 
 quant_blocks.cuh, suffixes from gpu_layout), decode product shapes and forms, head sizes. Plain Python, so
 tests/test_kernel_sources.py checks every name the launchers can build against the entries NVRTC compiles.
 
-Kernel shapes that only benchmark sweeps launch (bench/gpu_kernels.py) compile only under SWEEP_OPTION: a launch
-of one builds that copy of its module (cuda.module), and the modules the backend launches from lack them.
+Kernels the backend never chooses but that are kept to be measured (SWEEP_SHAPES, which bench/gpu_kernels.py
+sweeps, and the 32-register streamed form of the types outside LEAN_STREAM_TYPES) compile only under SWEEP_OPTION:
+a launch of one builds that copy of its module (cuda.module), and the modules the backend launches from lack them.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ SHAPES = {"matvec": ((1, 1), (2, 1), (1, 2), (2, 2)), "matvec_glu": ((1, 1), (2,
 SWEEP_SHAPES = {"matvec": ((4, 1),), "matvec_glu": ((4, 1), (2, 2))}  # matvec.cu, #ifdef SWEEP_KERNELS
 SWEEP_OPTION = "-DSWEEP_KERNELS"
 STREAM_FORMS = ("", "_lean")  # matvec_stream: plain, and at 32 registers
+LEAN_STREAM_TYPES = (T.Q4_0,)  # where the 32-register form paid on an H200 (8B Q4_0); the others' are sweep-only
 HEAD_DIMS = (64, 128, 256)  # head sizes the attention kernels are built for
 # Attention kernels built per head size: kind -> the oldest compute capability (major * 10 + minor) they are
 # built for (attention.cu builds the cluster form under __CUDA_ARCH__ >= 900).
@@ -48,6 +50,11 @@ def shaped(kind: str, qtype: T, shape: tuple[int, int]) -> str:
         raise ValueError(f"{kind} has no kernel of shape {shape} for {qtype.name} weights")
     wpr, rows = shape
     return f"{kind}_{KERNEL_SUFFIX[qtype]}_w{wpr}" + ("_r2" if rows == 2 else "")
+
+
+def stream_forms(qtype: T) -> tuple[str, ...]:
+    """The streamed product's forms the backend chooses from for this type (cuda._stream_grid)."""
+    return STREAM_FORMS if qtype in LEAN_STREAM_TYPES else STREAM_FORMS[:1]
 
 
 def stream(qtype: T, form: str) -> str:
@@ -76,11 +83,13 @@ def built(capability: int, sweep: bool = False) -> dict[str, set[str]]:
 
     for kind, shapes in (SWEEP_SHAPES if sweep else SHAPES).items():
         add("matvec", {shaped(kind, t, s) for s in shapes for t in QUANT_TYPES})
+    streams = {stream(t, form) for t in QUANT_TYPES for form in stream_forms(t)}
     if sweep:
+        add("matvec", {stream(t, form) for t in QUANT_TYPES for form in STREAM_FORMS} - streams)
         return names
+    add("matvec", streams)
     for kind, (module, types) in PER_TYPE.items():
         add(module, {typed(kind, t) for t in types})
-    add("matvec", {stream(t, form) for t in QUANT_TYPES for form in STREAM_FORMS})
     add("dequant", {dequant(t, half) for t in ALL_TYPES for half in (False, True)})
     add("attention", {per_head_dim(kind, hd) for kind, oldest in PER_HEAD_DIM.items() if capability >= oldest
                       for hd in HEAD_DIMS})

@@ -247,10 +247,20 @@ __device__ __forceinline__ void matvec_stream(const Planes& w, const signed char
         const float2* xds, float* out, int m, int k) {                                                         \
         matvec_stream<B>({q, h, s, d}, xq, xq2, xds, out, m, k);                                               \
     }
-#define MATVEC_STREAM(name, B)                                                                                 \
-    MATVEC_STREAM_FORM(name, B, , )                                                                            \
-    MATVEC_STREAM_FORM(name, B, _lean, __launch_bounds__(1024, 2))
+#define MATVEC_STREAM(name, B) MATVEC_STREAM_FORM(name, B, , )
+#define MATVEC_STREAM_LEAN(name, B) MATVEC_STREAM_FORM(name, B, _lean, __launch_bounds__(1024, 2))
 FOR_EACH_QUANT(MATVEC_STREAM)
+MATVEC_STREAM_LEAN(q4_0, BlockQ4_0)  // kernel_names.LEAN_STREAM_TYPES
+#ifdef SWEEP_KERNELS
+// The 32-register form of the other types: never chosen, kept to be measured.
+MATVEC_STREAM_LEAN(q4_1, BlockQ4_1)
+MATVEC_STREAM_LEAN(q5_0, BlockQ5_0)
+MATVEC_STREAM_LEAN(q5_1, BlockQ5_1)
+MATVEC_STREAM_LEAN(q8_0, BlockQ8_0)
+MATVEC_STREAM_LEAN(q4_k, BlockQ4_K)
+MATVEC_STREAM_LEAN(q5_k, BlockQ5_K)
+MATVEC_STREAM_LEAN(q6_k, BlockQ6_K)
+#endif
 
 // Float weights: x stays float32; each lane reads 8 weights (16 bytes for fp16/bf16) per step.
 template <class W, int NW>
