@@ -1,0 +1,99 @@
+"""The entry names the launchers in cuda.py build for the kernels that the macros of engine/kernels/*.cu
+instantiate, and the data they are built from: weight types (FOR_EACH_QUANT and FOR_EACH_FLOAT in
+quant_blocks.cuh, suffixes from gpu_layout), decode product shapes and forms, head sizes. Plain Python, so
+tests/test_kernel_sources.py checks every name the launchers can build against the entries NVRTC compiles.
+
+Kernels the backend never chooses but that are kept to be measured (SWEEP_SHAPES, which bench/gpu_kernels.py
+sweeps, and the 32-register streamed form of the types outside LEAN_STREAM_TYPES) compile only under SWEEP_OPTION:
+a launch of one builds that copy of its module (cuda.module), and the modules the backend launches from lack them.
+"""
+
+from __future__ import annotations
+
+from gguf import GGMLQuantizationType as T
+
+from engine.kernels.gpu_layout import FLOAT_TYPES, KERNEL_SUFFIX, PLANES
+
+QUANT_TYPES = tuple(PLANES)
+FLOAT_WEIGHTS = tuple(FLOAT_TYPES)
+ALL_TYPES = QUANT_TYPES + FLOAT_WEIGHTS
+# Kernels built once per weight type: kind -> (module, the types).
+PER_TYPE = {
+    "matvec": ("matvec", FLOAT_WEIGHTS),  # quantized weights have shaped() and stream() products
+    "matvec_glu": ("matvec", FLOAT_WEIGHTS),
+    "matvec_glu_q8": ("matvec", QUANT_TYPES),
+    "moe_gate_up": ("matvec", ALL_TYPES),
+    "moe_down": ("matvec", ALL_TYPES),
+    "matmul": ("matmul", QUANT_TYPES),
+    "matmul_glu": ("matmul", QUANT_TYPES),
+}
+# Quantized decode products of matvec.cu by kernel shape: kind -> (warps per row set, rows per set).
+SHAPES = {"matvec": ((1, 1), (2, 1), (1, 2), (2, 2)), "matvec_glu": ((1, 1), (2, 1), (1, 2))}
+SWEEP_SHAPES = {"matvec": ((4, 1),), "matvec_glu": ((4, 1), (2, 2))}  # matvec.cu, #ifdef SWEEP_KERNELS
+SWEEP_OPTION = "-DSWEEP_KERNELS"
+STREAM_FORMS = ("", "_lean")  # matvec_stream: plain, and at 32 registers
+LEAN_STREAM_TYPES = (T.Q4_0,)  # where the 32-register form paid on an H200 (8B Q4_0); the others' are sweep-only
+HEAD_DIMS = (64, 128, 256)  # head sizes the attention kernels are built for
+# Attention kernels built per head size: kind -> the oldest compute capability (major * 10 + minor) they are
+# built for (attention.cu builds the cluster form under __CUDA_ARCH__ >= 900).
+PER_HEAD_DIM = {"attention_partial": 75, "attention_decode": 90}
+
+
+def typed(kind: str, qtype: T) -> str:
+    if qtype not in PER_TYPE[kind][1]:
+        raise ValueError(f"{kind} has no kernel for {qtype.name} weights")
+    return f"{kind}_{KERNEL_SUFFIX[qtype]}"
+
+
+def shaped(kind: str, qtype: T, shape: tuple[int, int]) -> str:
+    if qtype not in QUANT_TYPES or shape not in SHAPES[kind] + SWEEP_SHAPES[kind]:
+        raise ValueError(f"{kind} has no kernel of shape {shape} for {qtype.name} weights")
+    wpr, rows = shape
+    return f"{kind}_{KERNEL_SUFFIX[qtype]}_w{wpr}" + ("_r2" if rows == 2 else "")
+
+
+def stream_forms(qtype: T) -> tuple[str, ...]:
+    """The streamed product's forms the backend chooses from for this type (cuda._stream_grid)."""
+    return STREAM_FORMS if qtype in LEAN_STREAM_TYPES else STREAM_FORMS[:1]
+
+
+def stream(qtype: T, form: str) -> str:
+    if qtype not in QUANT_TYPES or form not in STREAM_FORMS:
+        raise ValueError(f"matvec_stream has no form {form!r} for {qtype.name} weights")
+    return f"matvec_stream{form}_{KERNEL_SUFFIX[qtype]}"
+
+
+def dequant(qtype: T, half: bool) -> str:
+    return f"dequant_{KERNEL_SUFFIX[qtype]}_{'f16' if half else 'f32'}"
+
+
+def per_head_dim(kind: str, head_dim: int) -> str:
+    if kind not in PER_HEAD_DIM or head_dim not in HEAD_DIMS:
+        raise ValueError(f"{kind} has no kernel for heads of {head_dim}")
+    return f"{kind}_{head_dim}"
+
+
+def built(capability: int, sweep: bool = False) -> dict[str, set[str]]:
+    """Per module, every name the functions above build from their data for a GPU of this compute capability:
+    the kernels of the modules the backend launches from, or (sweep) the ones only their sweep copies add."""
+    names: dict[str, set[str]] = {}
+
+    def add(module: str, new: set[str]) -> None:
+        names[module] = names.get(module, set()) | new
+
+    for kind, shapes in (SWEEP_SHAPES if sweep else SHAPES).items():
+        add("matvec", {shaped(kind, t, s) for s in shapes for t in QUANT_TYPES})
+    streams = {stream(t, form) for t in QUANT_TYPES for form in stream_forms(t)}
+    if sweep:
+        add("matvec", {stream(t, form) for t in QUANT_TYPES for form in STREAM_FORMS} - streams)
+        return names
+    add("matvec", streams)
+    for kind, (module, types) in PER_TYPE.items():
+        add(module, {typed(kind, t) for t in types})
+    add("dequant", {dequant(t, half) for t in ALL_TYPES for half in (False, True)})
+    add("attention", {per_head_dim(kind, hd) for kind, oldest in PER_HEAD_DIM.items() if capability >= oldest
+                      for hd in HEAD_DIMS})
+    return names
+
+
+SWEEP_ONLY = frozenset(set().union(*built(75, sweep=True).values()))
