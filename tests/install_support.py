@@ -32,10 +32,10 @@ def make_model(model_id: str, files: list[ModelFile]) -> CatalogModel:
 
 
 def hf_file(hub: HfTestServer, name: str, data: bytes, repo: str = "test-org/test-model",
-            sha256: bool = True) -> ModelFile:
-    hosted = hub.add_file(repo, name, data)
+            sha256: bool = True, path: str | None = None, lfs: bool = True) -> ModelFile:
+    hosted = hub.add_file(repo, path or name, data, lfs=lfs)
     return ModelFile(name=name, size=len(data), sha256=hosted.sha256 if sha256 else None, source="huggingface",
-                     repo=repo, path=name)
+                     repo=repo, path=path or name)
 
 
 def catalog(*models: CatalogModel) -> Callable[[str], CatalogModel]:
