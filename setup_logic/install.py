@@ -44,6 +44,7 @@ VERIFIED_NOTES = ".verified.json"
 RATE_WINDOW_S = 10.0
 HASH_BLOCK = 8 << 20
 CANCEL_JOIN_S = 15.0
+UNVERIFIED = "unverified (no sha256 is published for it; its size was checked)"
 
 State = Literal["queued", "downloading", "verifying", "installed", "cancelled", "failed"]
 FINISHED: frozenset[str] = frozenset({"installed", "cancelled", "failed"})
@@ -280,14 +281,15 @@ class Installer:
         if installed:
             unverified = [f.name for f in model.files if not (notes.get(f.name) or {}).get("verified", True)]
         else:  # a hub file whose sha256 could not be asked for yet may still get the hub's
-            unverified = [p.name for p in planned if p.sha256 is None and not (unreachable and p.source == "huggingface")]
+            unverified = [p.name for p in planned
+                          if p.sha256 is None and not (unreachable and p.source == "huggingface")]
         needed = download + pip_scratch + DISK_MARGIN_BYTES if download else 0
         free = self.store.free_disk_bytes()
         enough = free >= needed
         have_total = sum(p.already_have_bytes for p in planned)
         where = self.store.data_dir
         if installed:
-            checked = "verified" if entry.verified else "unverified (no sha256 is published for it; its size was checked)"
+            checked = "verified" if entry.verified else UNVERIFIED
             summary = (f"{model.name} is already installed and {checked} in {where}; nothing to download (install "
                        "with verify=true re-hashes its files in full).")
         elif not enough:
@@ -298,8 +300,9 @@ class Installer:
             already = f", {human_bytes(have_total)} already here" if have_total else ""
             summary = (f"Plan: install {model.name} ({model.quant}, {len(planned)} file(s)): "
                        f"{human_bytes(download)} to download{already}; {human_bytes(free)} free at {where} "
-                       f"(about {human_bytes(needed)} needed).{_plan_notes(model, planned, changed, unreachable, unverified)} "
-                       "Nothing was written yet; confirm to start.")
+                       f"(about {human_bytes(needed)} needed)."
+                       f"{_plan_notes(model, planned, changed, unreachable, unverified)} Nothing was written yet; "
+                       "confirm to start.")
         return InstallPlan(model_id=model.id, files=planned, download_bytes=download, disk_free_bytes=free,
                            disk_needed_bytes=needed, enough_disk=enough, already_installed=installed,
                            unverified_files=unverified, changed_files=changed, data_dir=str(where), summary=summary)
@@ -389,8 +392,9 @@ class Installer:
         model = job.model
         try:
             verified = self._install(job)
-            checked = "verified" if verified else "unverified (no sha256 is published for it; its size was checked)"
-            repaired = f"; {', '.join(job.repaired)} had changed on disk and was downloaded again" if job.repaired else ""
+            checked = "verified" if verified else UNVERIFIED
+            repaired = (f"; {', '.join(job.repaired)} had changed on disk and was downloaded again"
+                        if job.repaired else "")
             job.finish("installed", f"{model.name} is installed and {checked} ({human_bytes(job.done_before)})"
                                     f"{repaired}.", verified=verified)
         except DownloadCancelled:

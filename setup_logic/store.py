@@ -205,14 +205,15 @@ class Store:
     def _read_registry(self) -> dict[str, InstalledModel]:
         try:
             raw = self.registry_path.read_bytes()
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # nothing installed yet (the register says why not)
             return {}
         except IsADirectoryError:
             raise SetupError(f"The list of installed models {self.registry_path} is a folder, not a file; move that "
                              "folder away (installed models are found again by running install).") from None
         except PermissionError:
             raise SetupError(f"The list of installed models {self.registry_path} cannot be read (permission "
-                             "denied); give your user access to it, or set STRATA_DATA_DIR to another folder.") from None
+                             "denied); give your user access to it, or set STRATA_DATA_DIR to another "
+                             "folder.") from None
         try:
             entries = json.loads(raw)["models"]
             return {model_id: InstalledModel.model_validate(entry) for model_id, entry in entries.items()}

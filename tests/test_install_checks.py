@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from install_support import catalog, finish, hf_file, hub, installers, make_model, store  # noqa: F401  (fixtures)
+from install_support import (  # noqa: F401  (fixtures)
+    catalog, finish, hf_file, hub, installers, make_model, read_only_folder, store,
+)
 from setup_logic.errors import SetupError
 from setup_logic.store import SAMPLE_BLOCK_BYTES, InstalledModel, Store, fingerprint
 
@@ -145,3 +147,18 @@ def test_a_registry_entry_for_a_file_whose_date_alone_changed_is_kept(tmp_path):
                                   fingerprints=[fingerprint(folder / "m.gguf")], installed_at="2026-01-01T00:00:00Z"))
     os.utime(folder / "m.gguf", ns=(0, 0))  # e.g. copied back from a backup
     assert store.model_path("m") == folder / "m.gguf"
+
+
+def test_an_install_into_a_read_only_data_folder_is_one_sentence(hub, installers, read_only_folder, monkeypatch):
+    store = Store(read_only_folder)
+    monkeypatch.setattr(store, "free_disk_bytes", lambda: 1 << 40)
+    installer = installers(store, catalog(make_model("m", [hf_file(hub, "m.gguf", os.urandom(1000))])))
+    with pytest.raises(SetupError) as info:
+        installer.start("m")
+    assert str(info.value) in (
+        f"Cannot write to {read_only_folder / 'models'} (Read-only file system); make the data folder "
+        f"{read_only_folder} a writable folder, or set STRATA_DATA_DIR to one.",
+        f"Cannot write to {read_only_folder / 'models'} (Permission denied); make the data folder "
+        f"{read_only_folder} a writable folder, or set STRATA_DATA_DIR to one.",
+        f"The data folder {read_only_folder} is on a read-only drive; set STRATA_DATA_DIR to a folder on a "
+        "writable drive.")
