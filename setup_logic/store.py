@@ -205,7 +205,7 @@ class Store:
     def _read_registry(self) -> dict[str, InstalledModel]:
         try:
             raw = self.registry_path.read_bytes()
-        except (FileNotFoundError, NotADirectoryError):  # nothing installed yet (the register says why not)
+        except FileNotFoundError:
             return {}
         except IsADirectoryError:
             raise SetupError(f"The list of installed models {self.registry_path} is a folder, not a file; move that "
@@ -242,8 +242,10 @@ class Store:
 
     def installed(self) -> list[InstalledModel]:
         """Registered models whose files are all still there with their registered total size."""
-        # No lock: the registry is replaced atomically, so a read sees a whole file, and a read-only folder still reads.
-        entries = self._read_registry()
+        if not self.registry_path.exists():
+            return []
+        with self._registry_lock():  # a damaged registry is moved aside: not while another process rewrites it
+            entries = self._read_registry()
         return [entry for entry in entries.values() if self._files_intact(entry)]
 
     def changed_files(self, entry: InstalledModel, always_sample: bool = False) -> list[str]:
