@@ -391,7 +391,8 @@ class Installer:
     def _run(self, job: _Job, lock: filelock.FileLock) -> None:
         model = job.model
         try:
-            verified = self._install(job)
+            with writing(self.store.data_dir):
+                verified = self._install(job)
             checked = "verified" if verified else UNVERIFIED
             repaired = (f"; {', '.join(job.repaired)} had changed on disk and was downloaded again"
                         if job.repaired else "")

@@ -171,3 +171,13 @@ def test_a_package_part_without_a_sha256_is_planned_unverified(store, installers
     plan = installers(store, catalog(make_model("pk", [file]))).plan("pk")
     assert plan.unverified_files == ["m.gguf"] and plan.files[0].sha256 is None
     assert "Unverified: no sha256 is published for m.gguf, so only its size will be checked." in plan.summary
+
+
+def test_a_folder_where_the_installers_notes_go_fails_the_job_with_one_sentence(hub, store, installers):
+    installer = installers(store, catalog(make_model("m", [hf_file(hub, "m.gguf", os.urandom(1000))])))
+    (store.models_dir / "m" / ".verified.json").mkdir(parents=True)
+    progress = finish(installer, installer.start("m").model_id)
+    assert progress.state == "failed"
+    assert progress.error.startswith(f"Cannot write to {store.models_dir / 'm'}")
+    assert progress.error.endswith(f"make the data folder {store.data_dir} a writable folder, or set "
+                                   "STRATA_DATA_DIR to one.")
