@@ -181,3 +181,30 @@ def test_a_folder_where_the_installers_notes_go_fails_the_job_with_one_sentence(
     assert progress.error.startswith(f"Cannot write to {store.models_dir / 'm'}")
     assert progress.error.endswith(f"make the data folder {store.data_dir} a writable folder, or set "
                                    "STRATA_DATA_DIR to one.")
+
+
+def test_a_catalog_pinned_commit_is_asked_for_and_one_the_hub_lacks_is_refused_when_planning(hub, store, installers):
+    file = hf_file(hub, "m.gguf", os.urandom(1000))
+    commit = hub.commits[file.repo]
+    file.revision = commit
+    installer = installers(store, catalog(make_model("m", [file])))
+    assert installer.plan("m").files[0].revision == commit
+    assert hub.requests[-1][1] == f"/test-org/test-model/resolve/{commit}/m.gguf"
+    file.revision = "f" * 40
+    with pytest.raises(SetupError, match=r"^m\.gguf was not found at test-org/test-model \(m\.gguf at f{40}\) on "):
+        installer.plan("m")
+
+
+def test_a_hub_that_cannot_be_asked_when_planning_is_said_and_asked_again_by_the_download(hub, store, installers):
+    data = os.urandom(1000)
+    installer = installers(store, catalog(make_model("m", [hf_file(hub, "m.gguf", data, sha256=False)])))
+    hub.knobs.fail_next = 1
+    plan = installer.plan("m")
+    assert plan.files[0].revision is None and plan.unverified_files == []
+    assert " could not be asked about m.gguf now (the server answered 500); the download will ask again. " in \
+        plan.summary
+    hub.knobs.fail_next = 1  # and again when the install plans
+    progress = install(installer)
+    assert [m for m, *_ in hub.requests[-2:]] == ["HEAD", "GET"]
+    # The download's own question gave the hub's sha256, which the bytes were checked against.
+    assert progress.verified is True and store.get_installed("m").sha256 == [hashlib.sha256(data).hexdigest()]
