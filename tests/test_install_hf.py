@@ -21,7 +21,7 @@ from install_support import (  # noqa: F401  (fixtures)
 )
 from setup_logic.errors import NotEnoughDiskError, SetupError
 from setup_logic.install import DISK_MARGIN_BYTES
-from setup_logic.sources import RetryPolicy
+from setup_logic.sources import RetryPolicy, human_bytes
 from setup_logic.store import Store
 
 MB = 1_000_000
@@ -239,7 +239,7 @@ def test_progress_reports_rate_and_eta(hub, store, installers):
     # Never above the server's pace; below it where a busy machine reads slower.
     assert 0 < mid.rate_bytes_per_s < 3 * MB
     assert mid.eta_seconds == pytest.approx((mid.bytes_total - mid.bytes_done) / mid.rate_bytes_per_s)
-    assert "MB/s" in mid.message and "left" in mid.message
+    assert f", {human_bytes(mid.rate_bytes_per_s)}/s, about " in mid.message and "left" in mid.message
 
 
 def test_split_gguf_installs_as_one_model(hub, store, installers):
