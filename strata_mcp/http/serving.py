@@ -37,6 +37,13 @@ def remembered_port(runtime: Runtime) -> int | None:
     return port if isinstance(port, int) and 0 < port < 65536 else None
 
 
+def check_binding(host: str, api_key: str | None) -> None:
+    """Refuse an address beyond this machine without an API key."""
+    if not is_loopback(host) and not api_key:
+        raise UserError(f"Serving on {host} lets other machines in; give an API key (--api-key or STRATA_API_KEY) "
+                        "so only those who have it get answers, or serve on 127.0.0.1.")
+
+
 def _bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -94,9 +101,7 @@ def serve(runtime: Runtime, host: str = LOCALHOST, port: int | None = None, api_
         if running.host == host and port in (None, running.port) and running.api_key == api_key:
             return running
         raise UserError(f"The endpoint already runs at {running.base_url}; stop the server to start it elsewhere.")
-    if not is_loopback(host) and not api_key:
-        raise UserError(f"Serving on {host} lets other machines in; give an API key (--api-key or STRATA_API_KEY) "
-                        "so only those who have it get answers, or serve on 127.0.0.1.")
+    check_binding(host, api_key)
     sock = _socket_for(runtime, host, port)
     config = uvicorn.Config(build_app(runtime, api_key), log_level="warning", lifespan="off", access_log=False)
     server = uvicorn.Server(config)
