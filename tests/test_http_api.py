@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 
@@ -218,15 +219,23 @@ def test_two_clients_at_once_are_both_answered_in_turn(served, oai):
     assert runtime.slot.state == "ready" and runtime.queued_requests() == 0
 
 
-def _log_line_with(runtime, needle: str, timeout: float = 120.0) -> str:
-    """The first log line holding needle, once the server has written it."""
+def _wait_for(condition, timeout: float = 120.0):
+    """condition()'s first true value, once the server has got there."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        found = [line for line in tail(log_path(runtime.store), 200) if needle in line]
-        if found:
-            return found[0]
+        value = condition()
+        if value:
+            return value
         time.sleep(0.05)
-    raise AssertionError(f"no log line with {needle!r}")
+    raise AssertionError(f"{condition.__doc__} did not happen within {timeout} s")
+
+
+def _log_line_with(runtime, needle: str) -> str:
+    def found():
+        """the log line"""
+        return next((line for line in tail(log_path(runtime.store), 200) if needle in line), None)
+
+    return _wait_for(found)
 
 
 def test_a_client_leaving_mid_stream_frees_the_engine(served, oai):
@@ -239,3 +248,28 @@ def test_a_client_leaving_mid_stream_frees_the_engine(served, oai):
     assert "/v1/completions" in line and int(line.split(" output tokens")[0].split()[-1]) < 200
     reply = oai.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2, **GREEDY)
     assert reply.usage.completion_tokens == 2
+
+
+def test_a_client_leaving_the_queue_is_dropped_from_it(served):
+    runtime, server = served
+    running = {"model": MODEL, "prompt": "1, 2, 3, 4, 5, 6, 7, 8,", "max_tokens": 200, "stream": True, **GREEDY}
+    with httpx.stream("POST", f"{server.base_url}/v1/completions", json=running, timeout=120) as response:
+        next(line for line in response.iter_lines() if line.startswith("data: "))
+        body = json.dumps({"model": MODEL, "messages": QUESTION, "max_tokens": 4, "stream": True}).encode()
+        waiting = socket.create_connection(("127.0.0.1", server.port))
+        waiting.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: local\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+
+        def one_waits():
+            """one request waiting in the queue"""
+            return runtime.queued_requests() == 1
+
+        def none_waits():
+            """the queue emptied"""
+            return runtime.queued_requests() == 0
+
+        _wait_for(one_waits)
+        waiting.close()
+        _wait_for(none_waits)
+        assert runtime.slot.state == "busy"  # the first request still runs: only the waiter left
+    _log_line_with(runtime, "the client left while waiting in the queue")

@@ -15,7 +15,7 @@ from starlette.routing import Route
 from engine import GenerationSettings
 from strata_mcp.http.generation import ApiError, Generation, Job, Outcome, count_prompt_tokens, loaded_model_id
 from strata_mcp.http.tool_calls import ToolCallHold
-from strata_mcp.http.web import EventStream, first_event, handler, read_json, sse
+from strata_mcp.http.web import EventStream, handler, read_json, sse
 
 _ERROR_TYPES = {
     "invalid_request": "invalid_request_error", "not_found": "not_found_error", "auth": "authentication_error",
@@ -81,7 +81,7 @@ class Message(_Open):
 class Tool(_Open):
     name: str
     description: str | None = None
-    input_schema: dict[str, Any]
+    input_schema: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
 
     def for_template(self) -> dict[str, Any]:
         function = {"name": self.name, "description": self.description or "", "parameters": self.input_schema}
@@ -153,7 +153,7 @@ async def messages(request: Request) -> Response:
         head = _message_head(job.model_id, o.prompt_tokens)
         return JSONResponse({**head, "content": _content(o), "stop_reason": _STOP_REASONS[o.finish],
                              "stop_sequence": o.stop_sequence, "usage": _usage(o)})
-    events, prompt_tokens = await first_event(generation)
+    events, prompt_tokens = await generation.started(request.receive)
     return EventStream(generation, _message_events(events, job, prompt_tokens))
 
 

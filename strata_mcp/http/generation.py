@@ -226,19 +226,35 @@ class Generation:
         finally:
             self._gone.set()  # stopped listening early (the client left): stop the engine too
 
-    async def outcome(self, receive) -> Outcome:
-        """The finished answer, cancelling the generation if the client disconnects first."""
+    async def _watching(self, receive, awaitable):
+        """Await `awaitable`, cancelling the generation if the client disconnects meanwhile (while it waits
+        in the queue, say)."""
 
-        async def watch() -> None:
+        async def cancel_on_disconnect() -> None:
             while (await receive())["type"] != "http.disconnect":
                 pass
             self.cancel()
 
-        watcher = asyncio.ensure_future(watch())
+        watcher = asyncio.ensure_future(cancel_on_disconnect())
         try:
+            return await awaitable
+        finally:
+            watcher.cancel()
+
+    async def started(self, receive) -> tuple[AsyncIterator[tuple[str, Any]], int]:
+        """Wait for the generation to start and return (the rest of its events, prompt tokens). An error before
+        the start (a full context, no model) thus still gets its own HTTP status, not a broken stream."""
+        events = self.events()
+        _, prompt_tokens = await self._watching(receive, anext(events))  # ("start", tokens) comes first
+        return events, prompt_tokens
+
+    async def outcome(self, receive) -> Outcome:
+        """The finished answer."""
+
+        async def last() -> Outcome:
             async for kind, value in self.events():
                 if kind == "done":
                     return value
             raise ApiError(500, "server", "The generation ended without an answer.")
-        finally:
-            watcher.cancel()
+
+        return await self._watching(receive, last())

@@ -16,7 +16,7 @@ from starlette.routing import Route
 from engine import GenerationSettings
 from strata_mcp.http.generation import ApiError, Generation, Job, Outcome, loaded_model_id
 from strata_mcp.http.tool_calls import ToolCallHold
-from strata_mcp.http.web import EventStream, first_event, handler, read_json, sse
+from strata_mcp.http.web import EventStream, handler, read_json, sse
 
 _ERROR_TYPES = {
     "invalid_request": "invalid_request_error", "not_found": "invalid_request_error",
@@ -165,7 +165,7 @@ async def chat_completions(request: Request) -> Response:
         head = _head("chat.completion", "chatcmpl-", job.model_id)
         choice = {"index": 0, "message": _message(o), "finish_reason": _FINISH[o.finish], "logprobs": None}
         return JSONResponse({**head, "choices": [choice], "usage": _usage(o)})
-    events, _ = await first_event(generation)
+    events, _ = await generation.started(request.receive)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return EventStream(generation, _chat_chunks(events, job, include_usage))
 
@@ -205,7 +205,7 @@ async def completions(request: Request) -> Response:
         o = await generation.outcome(request.receive)
         choice = {"index": 0, "text": o.text, "finish_reason": _FINISH[o.finish], "logprobs": None}
         return JSONResponse({**head, "choices": [choice], "usage": _usage(o)})
-    events, _ = await first_event(generation)
+    events, _ = await generation.started(request.receive)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
     async def chunks() -> AsyncIterator[str]:

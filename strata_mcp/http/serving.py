@@ -61,6 +61,7 @@ class HttpServer:
     host: str
     port: int
     api_key: str | None
+    _runtime: Runtime
     _server: uvicorn.Server
     _thread: threading.Thread
 
@@ -72,6 +73,8 @@ class HttpServer:
     def stop(self) -> None:
         self._server.should_exit = True
         self._thread.join(timeout=10)
+        if self._runtime.http is self:
+            self._runtime.http = None
 
 
 def _socket_for(runtime: Runtime, host: str, port: int | None) -> socket.socket:
@@ -114,6 +117,6 @@ def serve(runtime: Runtime, host: str = LOCALHOST, port: int | None = None, api_
     if not server.started:
         sock.close()
         raise UserError("The HTTP endpoint did not start; `strata logs` shows why.")
-    runtime.http = HttpServer(host, sock.getsockname()[1], api_key, server, thread)
+    runtime.http = HttpServer(host, sock.getsockname()[1], api_key, runtime, server, thread)
     runtime.log.info("HTTP endpoint at %s (%s)", runtime.http.base_url, "API key required" if api_key else "no key")
     return runtime.http

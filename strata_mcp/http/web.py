@@ -64,8 +64,11 @@ def handler(
             return await endpoint(request)
         except Exception as exc:  # every failure leaves as an error body of the API, never as a traceback
             error = api_error(exc)
+            log = request.app.state.runtime.log
             if error.status >= 500 and not isinstance(exc, ApiError):
-                request.app.state.runtime.log.exception("%s %s failed", request.method, request.url.path)
+                log.exception("%s %s failed", request.method, request.url.path)
+            else:
+                log.warning("%s %s refused (%d): %s", request.method, request.url.path, error.status, error.message)
             return JSONResponse(error_body(error), status_code=error.status)
 
     return run
@@ -90,10 +93,3 @@ class EventStream(StreamingResponse):
         finally:
             self._generation.cancel()
 
-
-async def first_event(generation: Generation) -> tuple[AsyncIterator[tuple[str, Any]], int]:
-    """Wait for the generation to start (it may queue) and return (the rest of its events, prompt tokens).
-    An error before the start (a full context, no model) thus still gets its own HTTP status."""
-    events = generation.events()
-    _, prompt_tokens = await anext(events)  # the worker emits ("start", tokens) before any text, or fails
-    return events, prompt_tokens
