@@ -161,6 +161,16 @@ def test_anthropic_errors_have_anthropic_shape(served, body, status, kind):
     assert reply["type"] == "error" and reply["error"]["type"] == kind and reply["error"]["message"]
 
 
+def test_tools_on_a_template_without_them_are_refused(served):
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    reply = post(served[1], "/v1/chat/completions", {"model": MODEL, "messages": QUESTION, "tools": [weather]})
+    assert reply.status_code == 400 and "no place for tools" in reply.json()["error"]["message"]
+    # A tool without input_schema (as Claude Code sends its server tools) passes validation to the same refusal.
+    reply = post(served[1], "/v1/messages", {"model": MODEL, "max_tokens": 8, "messages": QUESTION,
+                                             "tools": [{"name": "web_search", "type": "web_search_20250305"}]})
+    assert reply.status_code == 400 and "no place for tools" in reply.json()["error"]["message"]
+
+
 def test_invalid_json_is_a_clean_400(served):
     response = httpx.post(f"{served[1].base_url}/v1/chat/completions", content=b"{nope", timeout=30)
     assert response.status_code == 400 and "not valid JSON" in response.json()["error"]["message"]
