@@ -61,7 +61,7 @@ def test_openai_chat_stream_equals_plain_and_counts_usage(served, oai):
     assert plain.usage.prompt_tokens == rendered_tokens(runtime, QUESTION)
     assert plain.usage.total_tokens == plain.usage.prompt_tokens + 12
 
-    chunks = list(oai.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=12, stream=True,
+    chunks = list(oai.chat.completions.create(model=MODEL, messages=QUESTION, max_completion_tokens=12, stream=True,
                                               stream_options={"include_usage": True}, **GREEDY))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
@@ -84,6 +84,9 @@ def test_openai_raw_completion(oai):
     assert plain.choices[0].finish_reason == "length" and plain.usage.completion_tokens == 6
     streamed = oai.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=6, stream=True, **GREEDY)
     assert "".join(c.choices[0].text for c in streamed if c.choices) == plain.choices[0].text
+    sampled = [oai.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6, temperature=1.0, seed=7)
+               for _ in range(2)]
+    assert sampled[0].choices[0].text == sampled[1].choices[0].text  # the seed fixes the sampling
 
 
 def test_anthropic_message_stream_and_usage(served, claude):

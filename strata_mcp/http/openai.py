@@ -91,12 +91,12 @@ class Sampling(_Open):
     stream_options: StreamOptions | None = None
     n: Literal[1] = 1
 
-    def job(self, runtime, **kinds) -> Job:
+    def job(self, runtime, max_tokens: int | None, **kinds) -> Job:
         model_id = loaded_model_id(runtime, self.model)
         context = runtime.slot.model.info.context_length
         defaults = GenerationSettings()
         settings = GenerationSettings(
-            max_tokens=self.max_tokens or context,  # no limit asked: up to the end of the context
+            max_tokens=max_tokens or context,  # no limit asked: up to the end of the context
             temperature=defaults.temperature if self.temperature is None else self.temperature,
             top_p=self.top_p or defaults.top_p, seed=self.seed,
         )
@@ -113,10 +113,9 @@ class ChatRequest(Sampling):
     tool_choice: Any = None
 
     def chat_job(self, runtime) -> Job:
-        if self.max_completion_tokens is not None:
-            self.max_tokens = self.max_completion_tokens
         tools = None if self.tool_choice == "none" or not self.tools else [t.model_dump() for t in self.tools]
-        return self.job(runtime, messages=[m.for_template() for m in self.messages], tools=tools)
+        return self.job(runtime, self.max_completion_tokens or self.max_tokens,
+                        messages=[m.for_template() for m in self.messages], tools=tools)
 
 
 class CompletionRequest(Sampling):
@@ -198,7 +197,7 @@ async def _chat_chunks(events: AsyncIterator, job: Job, include_usage: bool) -> 
 async def completions(request: Request) -> Response:
     runtime = request.app.state.runtime
     body = await read_json(request, CompletionRequest)
-    job = body.job(runtime, prompt=body.prompt)
+    job = body.job(runtime, body.max_tokens, prompt=body.prompt)
     generation = Generation(runtime, job, "POST /v1/completions")
     head = _head("text_completion", "cmpl-", job.model_id)
     if not body.stream:
