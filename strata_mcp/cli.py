@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -13,7 +15,8 @@ from pydantic import BaseModel
 
 from strata_mcp.runtime import DEFAULT_MODEL, USER_ERRORS, Runtime
 from strata_mcp.tooling import Reporter, ToolSpec, parse_args
-from strata_mcp.tools import chat, check_pc, choose_model, install, start, status, stop
+from strata_mcp.http.serving import LOCALHOST, check_binding, serve
+from strata_mcp.tools import benchmark, chat, check_pc, choose_model, connect_info, install, logs, start, status, stop
 
 QUICKSTART_QUESTION = "What is the capital of France?"
 
@@ -123,6 +126,37 @@ def cmd_status(runtime: Runtime, args) -> None:
          + [f"install: {j.model_id} {j.state}" for j in result.installs] + [f"data folder: {result.data_dir}"])
 
 
+def cmd_serve(runtime: Runtime, args) -> None:
+    """Load the model, serve it over HTTP and keep serving until Ctrl+C."""
+    api_key = args.api_key or os.environ.get("STRATA_API_KEY") or None
+    check_binding(args.host, api_key)  # before a long load, not after
+    _start(runtime, args.model, args.device, args.json)
+    server = serve(runtime, args.host, args.port, api_key)
+    info = call(runtime, connect_info.SPEC)
+    show(info, args.json, [] if args.json else [f"{app}:\n    " + text.replace("\n", "\n    ")
+                                                for app, text in info.examples.items()])
+    print("Serving; press Ctrl+C to stop.", file=sys.stderr)
+    try:
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+
+
+def cmd_logs(runtime: Runtime, args) -> None:
+    result = call(runtime, logs.SPEC, lines=args.lines)
+    if args.json:
+        show(result, True)
+    else:
+        print("\n".join(result.lines) if result.lines else result.summary)
+
+
+def cmd_bench(runtime: Runtime, args) -> None:
+    _start(runtime, args.model, args.device, args.json)
+    show(call(runtime, benchmark.SPEC, max_tokens=args.max_tokens), args.json)
+
+
 def cmd_quickstart(runtime: Runtime, args) -> None:
     """The whole chain on the embedded model, each step printed as the MCP tools return it."""
     steps = [
@@ -177,6 +211,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_chat)
 
     sub.add_parser("status", help="Installed models and installs.").set_defaults(func=cmd_status)
+
+    p = sub.add_parser("serve", help="Load a model and serve it to other apps (OpenAI- and Anthropic-compatible HTTP).")
+    p.add_argument("model", nargs="?", default=None)
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--host", default=LOCALHOST, help="Address to listen on; anything but loopback needs --api-key.")
+    p.add_argument("--port", type=int, default=None, help="Default: the port used last time, else a free one.")
+    p.add_argument("--api-key", default=None, help="Key every request must carry (default: STRATA_API_KEY).")
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("logs", help="The last lines of the server's log.")
+    p.add_argument("--lines", type=int, default=50)
+    p.set_defaults(func=cmd_logs)
+
+    p = sub.add_parser("bench", help="Load a model and measure its prompt and output tokens/s.")
+    p.add_argument("model", nargs="?", default=None)
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("quickstart", help="Check, choose, install, start, chat, status, stop on the embedded model.")
     p.add_argument("--question", default=QUICKSTART_QUESTION)

@@ -2,15 +2,18 @@
 
 The engine slot is a small state machine: stopped -> loading -> ready <-> busy -> stopped.
 Loading runs on a background thread so `start` can return while a large model uploads;
-one chat runs at a time (a second concurrent chat is refused, not queued, so an assistant
-never waits blind behind a long answer).
+one generation runs at a time: a second concurrent chat tool call is refused, not queued, so an
+assistant never waits blind behind a long answer, while HTTP requests wait in line (queued_chat),
+as an HTTP client expects.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +27,7 @@ from setup_logic.engine_profile import EngineProfile
 from setup_logic.fit import MemoryEstimate, estimate_memory
 from setup_logic.install import Installer
 from setup_logic.store import Store
+from strata_mcp.server_log import open_log
 
 
 def measure_memory() -> dict:
@@ -49,6 +53,14 @@ def engine_profile() -> EngineProfile:
 
 class UserError(Exception):
     """Something the person or the assistant can fix; the message says how."""
+
+
+class ModelUnavailable(UserError):
+    """No model is ready to answer (none loaded, still loading, or stopped while a request waited)."""
+
+
+class GaveUp(Exception):
+    """A queued request stopped waiting (its client went away)."""
 
 
 USER_ERRORS = (UserError, SetupError, EngineError)
@@ -86,6 +98,16 @@ class Runtime:
         self._cancel_load = threading.Event()
         self._cancel_chat = threading.Event()
         self._chat_done = threading.Condition(self._lock)
+        self._queue: deque[object] = deque()  # HTTP requests waiting for the engine, first come first served
+        self.http = None  # the HTTP endpoint (strata_mcp.http.serving.HttpServer) while it runs
+        self._log: logging.Logger | None = None
+
+    @property
+    def log(self) -> logging.Logger:
+        """The data folder's log file, opened on first use (so read-only commands write nothing)."""
+        if self._log is None:
+            self._log = open_log(self.store)
+        return self._log
 
     # -- loading -------------------------------------------------------------------------
     def start_model(self, model_id: str, device: str, context_length: int | None) -> None:
@@ -121,6 +143,7 @@ class Runtime:
             with self._lock:
                 slot.state = "failed" if not self._cancel_load.is_set() else "stopped"
                 slot.error = str(exc) if isinstance(exc, EngineError) else f"Loading failed: {exc!r}"
+            self.log.warning("load of %s ended: %s", slot.model_id, slot.error)
             return
         with self._lock:
             if self._cancel_load.is_set() or self.slot is not slot:
@@ -129,6 +152,8 @@ class Runtime:
             slot.model = model
             slot.state = "ready"
             slot.load_seconds = time.monotonic() - slot.load_started
+        self.log.info("loaded %s on %s, context %d, in %.1f s", slot.model_id, model.info.backend,
+                      model.info.context_length, slot.load_seconds)
 
     def wait_until_loaded(self, timeout: float, should_stop, on_progress) -> EngineSlot:
         deadline = time.monotonic() + timeout
@@ -197,3 +222,39 @@ class Runtime:
                 if slot.state == "busy":
                     slot.state = "ready"
                 self._chat_done.notify_all()
+
+    @contextmanager
+    def queued_chat(self, gave_up: Callable[[], bool]) -> Iterator[tuple[LoadedModel, threading.Event]]:
+        """Hold the model for one generation, first waiting in line (first come, first served) behind the
+        running one and earlier waiters: the HTTP endpoints' queue. Raises GaveUp when gave_up() turns true
+        while waiting, ModelUnavailable when no model is ready."""
+        turn = object()
+        with self._lock:
+            self._queue.append(turn)
+            try:
+                while self._queue[0] is not turn or self.slot.state == "busy":
+                    if gave_up():
+                        raise GaveUp()
+                    self._chat_done.wait(0.1)  # a timeout, so a waiter whose client left notices it
+            finally:
+                self._queue.remove(turn)
+                self._chat_done.notify_all()
+            slot = self.slot
+            if slot.state == "loading":
+                raise ModelUnavailable(f"{slot.model_id} is still loading; try again when status says it is ready.")
+            if slot.state != "ready" or slot.model is None:
+                raise ModelUnavailable("No model is loaded; start one (the start tool, or `strata serve MODEL`) and try again.")
+            slot.state = "busy"
+            self._cancel_chat.clear()
+        try:
+            yield slot.model, self._cancel_chat
+        finally:
+            with self._lock:
+                if slot.state == "busy":
+                    slot.state = "ready"
+                self._chat_done.notify_all()
+
+    def queued_requests(self) -> int:
+        """How many HTTP requests wait for the engine."""
+        with self._lock:
+            return len(self._queue)

@@ -1,4 +1,4 @@
-"""The stdio MCP server: one Runtime, seven tools."""
+"""The stdio MCP server: one Runtime, its tools, and (when start is asked to serve) the HTTP endpoint."""
 
 from __future__ import annotations
 
@@ -25,6 +25,9 @@ The usual flow, one step at a time:
 4. start model=<id> - loads it (GPU if available); wait until state is 'ready'.
 5. chat prompt=... or messages=[...] - answers; temperature 0 for deterministic output.
 6. status - what is loaded, memory, speeds, installs.   7. stop - unload and free memory.
+Other apps (Claude Code, Open WebUI, Continue, aider, scripts) can use the model too: start with serve=true
+opens an OpenAI- and Anthropic-compatible endpoint on 127.0.0.1; connect_info gives the URLs and settings to
+paste; logs shows the server's log (loads, requests, errors); benchmark measures tokens/s on this machine.
 Every result starts with a one-line summary; errors say what to do next.
 The embedded default model (smollm2-135m-instruct, 98 MB) is tiny: good to test the chain, not for real work.
 """

@@ -11,6 +11,7 @@ from setup_logic.catalog import get_model
 from setup_logic.errors import UnknownModelError
 from setup_logic.fit import Preferences, fit_model
 from setup_logic.hardware import probe
+from strata_mcp.http.serving import serve
 from strata_mcp.reports import EngineStatus, engine_status
 from strata_mcp.runtime import Runtime, UserError, engine_profile
 from strata_mcp.tooling import Reporter, ToolSpec
@@ -26,11 +27,17 @@ class StartInput(BaseModel):
         description="Tokens of context; default: the context choose_model picks for this model on this PC.",
     )
     wait_seconds: float = Field(120.0, ge=0, le=3600, description="How long to wait for the load (reporting progress) before returning 'loading'.")
+    serve: bool = Field(
+        False, description="Also serve the model to other apps: an OpenAI- and Anthropic-compatible endpoint on "
+        "127.0.0.1 (connect_info says how apps connect)."
+    )
+    port: int | None = Field(None, ge=1, le=65535, description="The endpoint's port; default: the one used last time, else a free one.")
 
 
 class StartOutput(BaseModel):
     summary: str
     engine: EngineStatus
+    endpoint: str | None = Field(None, description="The HTTP endpoint's base URL while it serves.")
 
 
 def _pick_model(runtime: Runtime, requested: str | None) -> str:
@@ -69,7 +76,11 @@ def run(runtime: Runtime, args: StartInput, reporter: Reporter) -> StartOutput:
         summary = f"{model_id} is still loading ({slot.load.message}); call status or start again to follow it."
     else:
         summary = f"{model_id} did not load: {slot.error}"
-    return StartOutput(summary=summary, engine=status)
+    endpoint = None
+    if args.serve and slot.state != "failed":
+        endpoint = serve(runtime, port=args.port).base_url
+        summary += f" Serving at {endpoint}/v1 (OpenAI) and {endpoint} (Anthropic); connect_info has app settings."
+    return StartOutput(summary=summary, engine=status, endpoint=endpoint)
 
 
 SPEC = ToolSpec(
