@@ -109,14 +109,13 @@ def scripted(qwen3_endpoint, monkeypatch):
     prompts: list[str] = []
 
     def answer_with(text: str):
-        def complete(prompt, settings=None, on_text=None, should_stop=None):
-            prompts.append(prompt)
+        def generate(prompt, settings=None, on_text=None, should_stop=None):
+            prompts.append(model.tokenizer.decode(prompt))
             for i in range(0, len(text), 5):
                 on_text(text[i : i + 5])
-            n = len(model.tokenizer.encode(prompt))
-            return GenerationResult(text, "stop", n, 0, len(model.tokenizer.encode(text)), 0.1, 0.1, 10.0, 10.0)
+            return GenerationResult(text, "stop", len(prompt), 0, len(model.tokenizer.encode(text)), 0.1, 0.1, 10.0, 10.0)
 
-        monkeypatch.setattr(model, "complete", complete)
+        monkeypatch.setattr(model, "generate", generate)
 
     return answer_with, prompts
 

@@ -8,14 +8,10 @@ import asyncio
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from functools import lru_cache
-from pathlib import Path
 from typing import Any
 
 from engine import GenerationSettings, LoadedModel
-from engine.chat_template import ChatTemplate
 from engine.generate import StopStringFilter
-from engine.gguf_file import GGUFFile
 from strata_mcp.http.tool_calls import ToolCall, parse_tool_calls, template_supports_tools
 from strata_mcp.reports import ChatTimings
 from strata_mcp.runtime import USER_ERRORS, GaveUp, ModelUnavailable, Runtime
@@ -54,24 +50,6 @@ def loaded_model_id(runtime: Runtime, requested: str | None) -> str:
     return slot.model_id
 
 
-@lru_cache(maxsize=4)
-def _template(path: Path) -> ChatTemplate | None:
-    # The engine renders without extra variables; the endpoint needs `tools` too, so it keeps its own copy.
-    gguf = GGUFFile(path)
-    try:
-        return ChatTemplate.from_gguf(gguf)
-    finally:
-        gguf.close()
-
-
-def chat_template(runtime: Runtime, model_id: str) -> ChatTemplate:
-    template = _template(runtime.store.model_path(model_id))
-    if template is None:
-        raise ApiError(400, "invalid_request", f"{model_id} is a base model with no chat template; "
-                       "send a raw prompt to /v1/completions instead.")
-    return template
-
-
 @dataclass
 class Job:
     """One request, in the engine's terms: messages (chat) or prompt (raw text), tools, settings, stops."""
@@ -83,14 +61,19 @@ class Job:
     tools: list[dict[str, Any]] | None = None
     stop: list[str] = field(default_factory=list)
 
-    def render(self, runtime: Runtime) -> str:
+    def prompt_tokens(self, model: LoadedModel) -> list[int]:
+        """The prompt as the engine runs it: a raw prompt as text, a conversation through the model's chat template
+        (with the tool definitions), what its messages say encoded as plain text."""
         if self.messages is None:
-            return self.prompt or ""
-        template = chat_template(runtime, self.model_id)
+            return model.tokenizer.encode(self.prompt or "")
+        template = model.chat_template
+        if template is None:
+            raise ApiError(400, "invalid_request", f"{self.model_id} is a base model with no chat template; "
+                           "send a raw prompt to /v1/completions instead.")
         if self.tools and not template_supports_tools(template.source):
             raise ApiError(400, "invalid_request", f"The chat template of {self.model_id} has no place for tools; "
                            "send the request without tools, or load a model that supports them (Qwen3).")
-        return template.render(self.messages, add_generation_prompt=True, tools=self.tools or None)
+        return model.chat_tokens(self.messages, tools=self.tools or None)
 
 
 @dataclass
@@ -131,7 +114,7 @@ def count_prompt_tokens(runtime: Runtime, job: Job) -> int:
     model = runtime.slot.model
     if model is None:
         raise ModelUnavailable("No model is loaded; start one and retry.")
-    return len(model.tokenizer.encode(job.render(runtime)))
+    return len(job.prompt_tokens(model))
 
 
 def _check_fits(model: LoadedModel, prompt_tokens: int) -> None:
@@ -145,12 +128,11 @@ def _check_fits(model: LoadedModel, prompt_tokens: int) -> None:
 def _run(runtime: Runtime, job: Job, emit: Callable[[str, Any], None], gone: threading.Event) -> Outcome:
     """Wait for the engine, then generate; emit("start", prompt tokens) and emit("text", piece) as it goes."""
     with runtime.queued_chat(gone.is_set) as (model, cancel):
-        prompt = job.render(runtime)
-        prompt_tokens = len(model.tokenizer.encode(prompt))
-        _check_fits(model, prompt_tokens)
-        emit("start", prompt_tokens)
+        prompt = job.prompt_tokens(model)
+        _check_fits(model, len(prompt))
+        emit("start", len(prompt))
         stops = _StopSequences(job.stop, lambda piece: emit("text", piece))
-        result = model.complete(
+        result = model.generate(
             prompt, job.settings, on_text=stops.feed,
             should_stop=lambda: stops.matched is not None or gone.is_set() or cancel.is_set(),
         )
