@@ -6,8 +6,12 @@ weights read per token / 4.3 TB/s) and the fraction of it reached. The prompt is
 not depend on them); the output is greedy, made the way a chat makes it (generate.sampled_tokens: picked on the
 GPU, each step queued before the id it feeds comes back to the host), for a fixed number of tokens.
 
+The output is measured at the prompt's depth: --prompt 8192 times a prompt of 8,192 tokens, then output from
+position 8,192 on. --attention chunk sends prompt chunks through attention.cu's older chunk path instead of flash
+attention (the before of a comparison).
+
 Usage: python bench/bench_gpu.py MODEL.gguf [MODEL.gguf ...] [--prompt 512] [--output 128] [--device cuda]
-       [--repeats 5]
+       [--repeats 5] [--attention flash|chunk]
 """
 
 from __future__ import annotations
@@ -209,9 +213,16 @@ def main() -> None:
     parser.add_argument("--output", type=int, default=128)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--repeats", type=int, default=5, help="timed prompt + output runs; the best is reported")
+    parser.add_argument("--attention", choices=("flash", "chunk"), default="flash",
+                        help="prompt-chunk attention on a GPU: flash attention, or attention.cu's older chunk path")
     args = parser.parse_args()
+    if args.attention == "chunk":
+        from engine.kernels import cuda
+
+        cuda.flash_attention_capable = lambda n_heads, n_kv: False
     for path in args.models:
-        print(json.dumps(run(path, args.prompt, args.output, args.device, args.repeats)), flush=True)
+        result = run(path, args.prompt, args.output, args.device, args.repeats)
+        print(json.dumps({**result, "prompt_attention": args.attention}), flush=True)
 
 
 if __name__ == "__main__":

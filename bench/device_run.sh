@@ -1,6 +1,6 @@
 # One device call: install the carried wheels, run the GPU tests, then the speed benchmarks.
 # Usage (on the GPU machine, repo root): bash bench/device_run.sh [tests] [kernels] [shapes] [prompt] [synthetic] [profile] [smol]
-#                                        [archs] [memory] [issue5]
+#                                        [archs] [memory] [issue5] [flash]
 # The GPU machine has no network: .whl/ holds the wheels it lacks (gguf; pydantic and its dependencies, which
 # tests/conftest.py's catalog lookup imports; `pip download` them for Python 3.12), and the SmolLM2 GGUF
 # (98 MB, over one call's 64 MB) travels in two parts, .carry/smol.part00 (copied to /tmp/strata by a first call) and
@@ -8,7 +8,9 @@
 # SYNTHETIC="8b:Q4_K ..." limits the synthetic step to those shape:type pairs. archs, memory and issue5 need no
 # model file: .carry/smollm2-tokenizer.gguf (tests/gguf_convert.py
 # write_tokenizer_gguf) and the skeletons .carry/smollm2-skeleton.gguf, .carry/gemma3-skeleton.gguf
-# (bench/replica_gguf.py) travel instead, a few MB each.
+# (bench/replica_gguf.py) travel instead, a few MB each. flash: the attention tests, the attention kernels alone
+# (bench/bench_attention.py) and the Qwen3-8B Q4_K_M shape at PROMPTS="512 8192" tokens with flash attention and with
+# the older chunk path (FLASH_ONLY="32768" adds prompts measured with flash attention alone).
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 STRATA_TEST_CACHE=/tmp/strata
@@ -53,5 +55,20 @@ for part in "$@"; do
         python3 bench/make_synthetic_gguf.py "$f" --shape $spec --type Q4_K_M && timeout 150 python3 bench/bench_gpu.py "$f" 2>&1 | tee -a "$OUT/issue5.jsonl"
         rm -f "$f"
       done ;;
+    flash)
+      timeout 300 python3 -m pytest -q -s -p no:cacheprovider --tb=short -rf tests/test_gpu_flash.py tests/test_gpu_kernels.py \
+        -k "flash or attention or long_prompt" 2>&1 | tee "$OUT/flash_tests.log" | grep -E "logit difference|passed|failed|Error"
+      timeout 200 python3 bench/bench_attention.py 2>&1 | tee "$OUT/attention.jsonl"
+      f=/tmp/strata/synthetic-qwen3-8b.gguf
+      python3 bench/make_synthetic_gguf.py "$f" --shape qwen3-8b --type Q4_K_M
+      for p in ${PROMPTS:-512 8192}; do
+        for a in flash chunk; do
+          timeout 200 python3 bench/bench_gpu.py "$f" --prompt $p --output 64 --repeats 2 --attention $a 2>&1 | tee -a "$OUT/flash_bench.jsonl"
+        done
+      done
+      for p in ${FLASH_ONLY:-}; do
+        timeout 200 python3 bench/bench_gpu.py "$f" --prompt $p --output 64 --repeats 1 2>&1 | tee -a "$OUT/flash_bench.jsonl"
+      done
+      rm -f "$f" ;;
   esac
 done

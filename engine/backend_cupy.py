@@ -346,6 +346,10 @@ class CupyBackend:
                                self._quantize_output(out))
             return
         K.rope_store_kv(q, k, v, rope.cos, rope.sin, neox, kc, vc, start)
+        if n > 1 and K.flash_attention_capable(n_heads, kc.shape[0]):  # a prompt chunk on tensor cores
+            self._q8_of = None
+            K.flash_attention(q, kc, vc, start, out, scale, window)
+            return
         z, wpq = K.attention_splits(n)
         size = n * n_heads * z * wpq * (hd + 2)  # partial results of the key-range splits
         if n == 1:

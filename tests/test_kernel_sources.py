@@ -13,7 +13,7 @@ import pytest
 from engine.kernels import sources
 
 MODULES = sources.names()
-EXPECTED = {"attention", "dequant", "matmul", "matvec", "norms", "rope", "sampling"}
+EXPECTED = {"attention", "dequant", "flash_attention", "matmul", "matvec", "norms", "rope", "sampling"}
 
 
 @functools.cache

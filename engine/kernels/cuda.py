@@ -516,6 +516,28 @@ def attention(q, k_cache, v_cache, start, out, scale: float, window: int, part, 
                (part, i32(n_heads), i32(hd), i32(z * wpq), out, i64(out.strides[0] // 4)))
 
 
+FLASH_ROWS = 64  # (token, query head) rows of a flash-attention block (flash_attention.cu FA_ROWS)
+
+
+def flash_attention_capable(n_heads: int, n_kv: int) -> bool:
+    """Whether prompt chunks attend on tensor cores (flash_attention.cu): a GPU with mma.sync m16n8k16 and
+    cp.async (compute capability 8.0; older ones keep attention()'s chunk path), and a GQA group that fits the
+    rows of one block."""
+    return _mma_capable() and n_heads // n_kv <= FLASH_ROWS
+
+
+def flash_attention(q, k_cache, v_cache, start, out, scale: float, window: int) -> None:
+    """A prompt chunk's attention in one kernel with no scratch: q (n, H, hd) strided view (rows 8-byte aligned),
+    its keys and values already in the cache (rope_store_kv); out (n, H*hd), rows 8-byte aligned. One block per
+    KV head and FLASH_ROWS // group tokens. Needs flash_attention_capable."""
+    n, n_heads, hd = q.shape
+    n_kv, max_tokens = k_cache.shape[0], k_cache.shape[1]
+    tokens = FLASH_ROWS // (n_heads // n_kv)
+    launch("flash_attention", f"flash_attention_{hd}", (_blocks(n, tokens), n_kv), (128,),
+           (q, i64(q.strides[0] // 4), k_cache, v_cache, i32(max_tokens), i32(n_heads), i32(n_kv), start, i32(n),
+            i32(window), f32(scale * LOG2_E), out, i64(out.strides[0] // 4)))
+
+
 # ---- sampling ------------------------------------------------------------------------------------------
 
 def repeat_penalty(logits, out, ids, n_ids: int, penalty: float) -> None:
