@@ -2,9 +2,10 @@
 
 Prints one JSON line per (kernel, depth): a prompt chunk's attention over a cache already holding `depth`
 positions, by flash attention (engine/kernels/flash_attention.cu) and by attention.cu's chunk path, in
-microseconds and TFLOP/s (2 products of 2 flops per query, key and head dim); and one decode step's attention
-(attention_decode, rotary and cache write included) in microseconds and the TB/s of the keys and values it reads.
-Timed with CUDA events over launches queued back to back, after a warm-up.
+microseconds and TFLOP/s (2 products of 2 flops per query, key and head dim), timed with CUDA events over launches
+queued back to back after a warm-up; and one decode step's attention (rotary, cache write and output quantization
+included) by attention_decode and by attention_decode_split at several split counts, in microseconds and the TB/s
+of the keys and values it reads, timed as a replayed graph (graph_us).
 
 Usage: python bench/bench_attention.py [--heads 32] [--kv-heads 8] [--head-dim 128] [--chunk 512]
        [--depths 0,7680,32256]
@@ -13,6 +14,7 @@ Usage: python bench/bench_attention.py [--heads 32] [--kv-heads 8] [--head-dim 1
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -34,6 +36,26 @@ def timed_us(launch, reps: int) -> float:
         launch()
     end.record()
     end.synchronize()
+    return cupy.cuda.get_elapsed_time(begin, end) * 1e3 / reps
+
+
+def graph_us(launch, reps: int) -> float:
+    """Microseconds a launch, `reps` of them captured into one graph as a decode step captures its kernels
+    (programmatic launches) and replayed after a warm-up."""
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        launch()
+        stream.begin_capture()
+        with K.programmatic_launches():
+            for _ in range(reps):
+                launch()
+        graph = stream.end_capture()
+        graph.launch(stream)
+        begin, end = cupy.cuda.Event(), cupy.cuda.Event()
+        begin.record(stream)
+        graph.launch(stream)
+        end.record(stream)
+        end.synchronize()
     return cupy.cuda.get_elapsed_time(begin, end) * 1e3 / reps
 
 
@@ -70,20 +92,29 @@ def main() -> None:
             us = timed_us(launch, args.reps)
             print(json.dumps({**shape, "kernel": name, "chunk": n, "depth": depth, "us": round(us, 1),
                               "tflops": round(flops / us / 1e6, 1)}), flush=True)
+    qkv = cupy.asarray(rng.standard_normal((1, (h + 2 * kv) * hd)).astype(np.float32))
+    q1 = qkv[:, : h * hd].reshape(1, h, hd)
+    k1 = qkv[:, h * hd : (h + kv) * hd].reshape(1, kv, hd)
+    v1 = qkv[:, (h + kv) * hd :].reshape(1, kv, hd)
+    angles = np.outer(np.arange(max_tokens), 1e4 ** (-np.arange(hd // 2) / (hd // 2)))
+    cos, sin = cupy.asarray(np.cos(angles).astype(np.float32)), cupy.asarray(np.sin(angles).astype(np.float32))
+    out1 = cupy.empty((1, h * hd), cupy.float32)
+    q8 = K.Q8.empty(h * hd)
+    done = K.counters(kv)
+    decode = {}
     if K.cluster_decode_attention():
-        qkv = cupy.asarray(rng.standard_normal((1, (h + 2 * kv) * hd)).astype(np.float32))
-        q1 = qkv[:, : h * hd].reshape(1, h, hd)
-        k1 = qkv[:, h * hd : (h + kv) * hd].reshape(1, kv, hd)
-        v1 = qkv[:, (h + kv) * hd :].reshape(1, kv, hd)
-        angles = np.outer(np.arange(max_tokens), 1e4 ** (-np.arange(hd // 2) / (hd // 2)))
-        cos, sin = cupy.asarray(np.cos(angles).astype(np.float32)), cupy.asarray(np.sin(angles).astype(np.float32))
-        out1 = cupy.empty((1, h * hd), cupy.float32)
-        for depth in depths + [max_tokens - 1]:
-            start.fill(depth)
-            us = timed_us(lambda: K.attention_decode(q1, k1, v1, cos, sin, True, kc, vc, start, out1, scale, 0),
-                          args.reps * 5)
-            kv_bytes = 2 * kv * (depth + 1) * hd * 2
-            print(json.dumps({**shape, "kernel": "attention_decode", "depth": depth, "us": round(us, 2),
+        decode["attention_decode"] = functools.partial(K.attention_decode, q1, k1, v1, cos, sin, True, kc, vc, start,
+                                                       out1, scale, 0, q8)
+    for splits in sorted({K.decode_splits(max_tokens, kv), 16, 32, 64}):
+        part_s = cupy.empty(h * splits * (hd + 2), cupy.float32)
+        decode[f"attention_decode_split/{splits}"] = functools.partial(
+            K.attention_decode_split, q1, k1, v1, cos, sin, True, kc, vc, start, out1, scale, 0, part_s, done, q8, splits)
+    for depth in sorted(set(depths + [511, 2047, 4095, 6143, 8191, max_tokens - 1])):
+        start.fill(depth)
+        kv_bytes = 2 * kv * (depth + 1) * hd * 2
+        for name, launch in decode.items():
+            us = graph_us(launch, args.reps * 5)
+            print(json.dumps({**shape, "kernel": name, "depth": depth, "us": round(us, 2),
                               "kv_tb_per_s": round(kv_bytes / us / 1e6, 3)}), flush=True)
 
 

@@ -9,8 +9,8 @@
 # model file: .carry/smollm2-tokenizer.gguf (tests/gguf_convert.py
 # write_tokenizer_gguf) and the skeletons .carry/smollm2-skeleton.gguf, .carry/gemma3-skeleton.gguf
 # (bench/replica_gguf.py) travel instead, a few MB each. flash: the attention tests, the attention kernels alone
-# (bench/bench_attention.py) and the Qwen3-8B Q4_K_M shape at PROMPTS="512 8192" tokens with flash attention and with
-# the older chunk path (FLASH_ONLY="32768" adds prompts measured with flash attention alone).
+# (bench/bench_attention.py) and the Qwen3-8B Q4_K_M shape, FLASH_RUNS="prompt:attention[:decode-attention] ..." (the
+# bench_gpu.py options; by default 512 and 8192 tokens, today's kernels against the older ones).
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 STRATA_TEST_CACHE=/tmp/strata
@@ -56,18 +56,14 @@ for part in "$@"; do
         rm -f "$f"
       done ;;
     flash)
-      timeout 300 python3 -m pytest -q -s -p no:cacheprovider --tb=short -rf tests/test_gpu_flash.py tests/test_gpu_kernels.py \
-        -k "flash or attention or long_prompt" 2>&1 | tee "$OUT/flash_tests.log" | grep -E "logit difference|passed|failed|Error"
+      timeout 300 python3 -m pytest -q -s -p no:cacheprovider --tb=short -rf tests/test_gpu_flash.py tests/test_gpu_backend.py \
+        tests/test_gpu_kernels.py -k "flash or attention or long_prompt or backend" 2>&1 | tee "$OUT/flash_tests.log" | grep -E "logit difference|passed|failed|Error"
       timeout 200 python3 bench/bench_attention.py 2>&1 | tee "$OUT/attention.jsonl"
       f=/tmp/strata/synthetic-qwen3-8b.gguf
       python3 bench/make_synthetic_gguf.py "$f" --shape qwen3-8b --type Q4_K_M
-      for p in ${PROMPTS:-512 8192}; do
-        for a in flash chunk; do
-          timeout 200 python3 bench/bench_gpu.py "$f" --prompt $p --output 64 --repeats 2 --attention $a 2>&1 | tee -a "$OUT/flash_bench.jsonl"
-        done
-      done
-      for p in ${FLASH_ONLY:-}; do
-        timeout 200 python3 bench/bench_gpu.py "$f" --prompt $p --output 64 --repeats 1 2>&1 | tee -a "$OUT/flash_bench.jsonl"
+      for run in ${FLASH_RUNS:-512:flash 512:chunk 8192:flash 8192:chunk}; do
+        IFS=: read -r p a d <<< "$run"
+        timeout 200 python3 bench/bench_gpu.py "$f" --prompt $p --output 64 --repeats 2 --attention $a ${d:+--decode-attention $d} 2>&1 | tee -a "$OUT/flash_bench.jsonl"
       done
       rm -f "$f" ;;
   esac

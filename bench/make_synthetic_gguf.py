@@ -30,14 +30,14 @@ from engine.tokenizer import byte_alphabet  # noqa: E402
 
 T = GGMLQuantizationType
 # hidden, layers, ffn, heads, kv heads, vocab, tied embeddings (Llama 3.2 1B ties them, Llama 3 8B does not);
-# Qwen3 adds head_dim and QK-norm, the MoE its experts (ffn is then one expert's).
+# Qwen3 adds head_dim, QK-norm and its context length, the MoE its experts (ffn is then one expert's).
 SHAPES = {
     "1.2b": dict(hidden=2048, layers=16, ffn=8192, heads=32, kv_heads=8, vocab=128256, tied=True),
     "8b": dict(hidden=4096, layers=32, ffn=14336, heads=32, kv_heads=8, vocab=128256, tied=False),
     "qwen3-8b": dict(arch="qwen3", hidden=4096, layers=36, ffn=12288, heads=32, kv_heads=8, head_dim=128,
-                     vocab=151936, tied=False),
+                     vocab=151936, tied=False, context=40960),
     "qwen3-30b-a3b": dict(arch="qwen3moe", hidden=2048, layers=48, ffn=768, heads=32, kv_heads=4, head_dim=128,
-                          vocab=151936, tied=False, experts=128, experts_used=8),
+                          vocab=151936, tied=False, experts=128, experts_used=8, context=40960),
 }
 ROLES = ("token_embd", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "output")
 Q4_K_M = {role: (T.Q6_K if role in ("attn_v", "ffn_down", "output") else T.Q4_K) for role in ROLES}
@@ -90,7 +90,7 @@ def add_matrix(w: GGUFWriter, name: str, qtype: T, rows: int, cols: int, rng, sh
 
 
 def _metadata(w: GGUFWriter, s: dict, head_dim: int) -> None:
-    w.add_context_length(8192)
+    w.add_context_length(s.get("context", 8192))  # the trained length (Qwen3: 40,960), for long-prompt runs
     w.add_embedding_length(s["hidden"])
     w.add_block_count(s["layers"])
     w.add_feed_forward_length(s["ffn"])

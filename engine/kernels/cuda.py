@@ -493,6 +493,41 @@ def attention_decode(q, k, v, cos, sin, neox: bool, k_cache, v_cache, start, out
             i32(n_heads), i32(n_kv), start, i32(window), f32(scale * LOG2_E), out, *q8_args(q8)))
 
 
+SPLIT_MIN_KEYS, MAX_SPLITS = 128, 64  # attention.cu: fewest keys a decode split takes, most splits a merge reads
+SPLIT_BLOCKS_PER_SM = 2
+SPLIT_CONTEXT = 8192  # before sm_90: caches from this many positions decode with attention_decode_split
+
+
+def decode_splits(max_tokens: int, n_kv: int) -> int:
+    """Splits of each KV head's keys for attention_decode_split: enough blocks for SPLIT_BLOCKS_PER_SM a
+    multiprocessor at the deepest position the cache holds (fewer are active at shallower ones)."""
+    sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+    return max(1, min(MAX_SPLITS, _blocks(max_tokens, SPLIT_MIN_KEYS), _blocks(SPLIT_BLOCKS_PER_SM * sms, n_kv)))
+
+
+def decode_attention_form(n_heads: int, n_kv: int, max_tokens: int) -> str:
+    """Which kernel a decode step's attention runs: "cluster" (attention_decode, sm_90+), else "split"
+    (attention_decode_split, GQA groups of at most 8 query heads) for caches of at least SPLIT_CONTEXT positions,
+    else "partial" (attention's two-kernel form)."""
+    if cluster_decode_attention():
+        return "cluster"
+    return "split" if n_heads // n_kv <= 8 and max_tokens >= SPLIT_CONTEXT else "partial"
+
+
+def attention_decode_split(q, k, v, cos, sin, neox: bool, k_cache, v_cache, start, out, scale: float, window: int,
+                           part, done, q8: Q8 | None = None, splits: int | None = None) -> None:
+    """attention_decode's work (one token's rotary embedding, cache write and attention) by blocks of a KV head
+    and a split of its keys, each serving the head's whole GQA group (at most 8 query heads): part, float32
+    scratch of H*splits*(hd+2); done = counters(KV). splits: decode_splits by default."""
+    _, n_heads, hd = q.shape
+    n_kv, max_tokens = k_cache.shape[0], k_cache.shape[1]
+    g = 4 if n_heads // n_kv <= 4 else 8
+    splits = splits or decode_splits(max_tokens, n_kv)
+    launch("attention", f"attention_decode_split_{hd}_g{g}", (splits, n_kv), (128,),
+           (q, k, v, cos, sin, i32(2 * cos.shape[1]), i32(1 if neox else 0), k_cache, v_cache, i32(max_tokens),
+            i32(n_heads), i32(n_kv), start, i32(window), f32(scale * LOG2_E), part, done, out, *q8_args(q8)))
+
+
 def counters(n: int) -> Any:
     """n completion counters for kernels whose last block to finish does a step more (it leaves its counter at
     zero again, so one zeroed buffer serves every launch)."""
