@@ -6,7 +6,10 @@
 // blocks as one cluster (attention_decode, sm_90+) or by the head's last block to finish (older GPUs), either of
 // which also quantizes the output for the output projection; for a prompt chunk by attention_combine.
 // attention_decode also does rope_store_kv's work for its token (rotating q and k, storing k and v), which saves
-// that launch.
+// that launch. At depth a decode step is split by KV head instead (attention_decode_split, below: each block
+// serves a KV head's whole query group, so the keys are read once): on sm_90 attention_decode's own grid turns
+// into that form from split_depth keys. Prompt chunks on sm_80+ go to flash_attention.cu instead of
+// attention_partial.
 //
 // Key ranges come from start[0] in device memory, so one captured graph serves every position; splits past
 // the range are empty and leave max = -inf, sum = 0.
