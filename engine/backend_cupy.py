@@ -353,11 +353,24 @@ class CupyBackend:
             raise EngineError(f"Unknown rotary style {style!r}.")
         kc, vc, neox = cache.k[layer], cache.v[layer], style == ROPE_NEOX
         n, n_heads, hd = q.shape
-        if n == 1 and K.cluster_decode_attention():  # one kernel, the splits merged inside each head's cluster
-            K.attention_decode(q, k, v, rope.cos, rope.sin, neox, kc, vc, start, out, scale, window,
-                               self._quantize_output(out))
+        n_kv, max_tokens = kc.shape[0], kc.shape[1]
+        form = K.decode_attention_form(n_heads, n_kv, max_tokens) if n == 1 else None
+        if form in ("cluster", "split"):  # one kernel: rotary, cache write, attention, merge, output quantized
+            splits = K.cluster_decode_splits(n_heads, n_kv) if form == "cluster" else K.decode_splits(max_tokens, n_kv)
+            part = self._decode_buffer("attn_split_part", n_heads * splits * (hd + 2), cupy.float32)
+            done = self._decode_buffer("attn_split_done", n_kv, cupy.uint32, zeroed=True)
+            q8 = self._quantize_output(out)
+            if form == "cluster":
+                K.attention_decode(q, k, v, rope.cos, rope.sin, neox, kc, vc, start, out, scale, window, q8, part, done)
+            else:
+                K.attention_decode_split(q, k, v, rope.cos, rope.sin, neox, kc, vc, start, out, scale, window, part,
+                                         done, q8, splits)
             return
         K.rope_store_kv(q, k, v, rope.cos, rope.sin, neox, kc, vc, start)
+        if n > 1 and K.flash_attention_capable(n_heads, n_kv):  # a prompt chunk on tensor cores
+            self._q8_of = None
+            K.flash_attention(q, kc, vc, start, out, scale, window)
+            return
         z, wpq = K.attention_splits(n)
         size = n * n_heads * z * wpq * (hd + 2)  # partial results of the key-range splits
         if n == 1:

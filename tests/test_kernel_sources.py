@@ -17,7 +17,7 @@ from engine.kernels import kernel_names, sources
 
 MODULES = sources.names()
 ARCHS = ["compute_75", "compute_90"]
-EXPECTED = {"attention", "dequant", "matmul", "matvec", "norms", "rope", "sampling"}
+EXPECTED = {"attention", "dequant", "flash_attention", "matmul", "matvec", "norms", "rope", "sampling"}
 
 
 @functools.cache
@@ -104,6 +104,7 @@ SAMPLE = {
     "typed": lambda kind: N.typed(kind, N.PER_TYPE[kind][1][0]),
     "shaped": lambda kind: N.shaped(kind, N.QUANT_TYPES[0], N.SHAPES[kind][0]),
     "per_head_dim": lambda kind: N.per_head_dim(kind, N.HEAD_DIMS[0]),
+    "per_group": lambda kind: N.per_group(kind, N.HEAD_DIMS[0], 4),
     "stream": lambda: N.stream(N.QUANT_TYPES[0], ""),
     "dequant": lambda: N.dequant(N.QUANT_TYPES[0], True),
 }

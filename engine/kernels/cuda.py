@@ -471,20 +471,70 @@ def attention_splits(n: int) -> tuple[int, int]:
 
 def cluster_decode_attention() -> bool:
     """Whether decode attention merges its splits inside a thread-block cluster (attention_decode, sm_90+)."""
-    return _capability() >= N.PER_HEAD_DIM["attention_decode"]
+    return _capability() >= N.PER_GROUP["attention_decode"][1]
 
 
 def attention_decode(q, k, v, cos, sin, neox: bool, k_cache, v_cache, start, out, scale: float, window: int,
-                     q8: Q8 | None = None) -> None:
-    """One token's rope_store_kv and attention in one kernel with no scratch: q (1, H, hd), k, v (1, KV, hd)
-    strided views, as the QKV projection left them (neither is rotated in place); out (1, H*hd). Each head's
-    ATTN_Z_SPLITS blocks are one cluster (attention.cu ATTN_CLUSTER), which merges their 32 splits, and with q8
-    also quantizes the output for the output projection. Needs cluster_decode_attention()."""
+                     q8: Q8 | None = None, part=None, done=None, split_depth: int | None = None) -> None:
+    """One token's rope_store_kv and attention in one kernel: q (1, H, hd), k, v (1, KV, hd) strided views, as
+    the QKV projection left them (neither is rotated in place); out (1, H*hd). Each head's ATTN_Z_SPLITS blocks
+    are one cluster (attention.cu ATTN_CLUSTER), which merges their 32 splits, and with q8 also quantizes the
+    output for the output projection. With part (float32 scratch of H * cluster_decode_splits(H, KV) * (hd+2))
+    and done = counters(KV), a step attending to split_depth (SPLIT_DEPTH) keys or more runs the grid's blocks
+    as attention_decode_split's instead (GQA groups of at most 8, 4 at 256 dims), the choice made on the device,
+    so one captured graph serves every depth. Needs cluster_decode_attention()."""
     _, n_heads, hd = q.shape
     n_kv, max_tokens = k_cache.shape[0], k_cache.shape[1]
-    launch("attention", N.per_head_dim("attention_decode", hd), (n_heads, 1, ATTN_Z_SPLITS), (128,),
+    group = n_heads // n_kv
+    g = 4 if group <= 4 or hd == 256 else 8  # query slots a block (attention.cu builds 4 only for 256 dims)
+    scratch = (part, done) if part is not None and group <= g else (np.uintp(0), np.uintp(0))
+    launch("attention", N.per_group("attention_decode", hd, g), (n_heads, 1, ATTN_Z_SPLITS), (128,),
            (q, k, v, cos, sin, i32(2 * cos.shape[1]), i32(1 if neox else 0), k_cache, v_cache, i32(max_tokens),
-            i32(n_heads), i32(n_kv), start, i32(window), f32(scale * LOG2_E), out, *q8_args(q8)))
+            i32(n_heads), i32(n_kv), start, i32(window), f32(scale * LOG2_E),
+            i32(SPLIT_DEPTH if split_depth is None else split_depth), *scratch, out, *q8_args(q8)))
+
+
+SPLIT_MIN_KEYS, MAX_SPLITS = 128, 64  # attention.cu: fewest keys a decode split takes, most splits a merge reads
+SPLIT_BLOCKS_PER_SM = 2
+# Keys from which decode attention splits by KV head rather than by query head. On an H200 (Qwen3-8B shape,
+# bench/bench_attention.py) attention_decode took 14.4 us at 2K keys and 49.6 at 7.7K, the split form 23.2 and 37.2.
+SPLIT_DEPTH = 4096
+SPLIT_CONTEXT = 8192  # before sm_90: caches from this many positions decode with attention_decode_split
+
+
+def cluster_decode_splits(n_heads: int, n_kv: int) -> int:
+    """Splits of a KV head's keys when attention_decode's grid works as attention_decode_split's."""
+    return ATTN_Z_SPLITS * n_heads // n_kv
+
+
+def decode_splits(max_tokens: int, n_kv: int) -> int:
+    """Splits of each KV head's keys for attention_decode_split: enough blocks for SPLIT_BLOCKS_PER_SM a
+    multiprocessor at the deepest position the cache holds (fewer are active at shallower ones)."""
+    sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+    return max(1, min(MAX_SPLITS, _blocks(max_tokens, SPLIT_MIN_KEYS), _blocks(SPLIT_BLOCKS_PER_SM * sms, n_kv)))
+
+
+def decode_attention_form(n_heads: int, n_kv: int, max_tokens: int) -> str:
+    """Which kernel a decode step's attention runs: "cluster" (attention_decode, sm_90+, itself splitting by KV
+    head at depth), else "split" (attention_decode_split, GQA groups of at most 8 query heads) for caches of at
+    least SPLIT_CONTEXT positions, else "partial" (attention's two-kernel form)."""
+    if cluster_decode_attention():
+        return "cluster"
+    return "split" if n_heads // n_kv <= 8 and max_tokens >= SPLIT_CONTEXT else "partial"
+
+
+def attention_decode_split(q, k, v, cos, sin, neox: bool, k_cache, v_cache, start, out, scale: float, window: int,
+                           part, done, q8: Q8 | None = None, splits: int | None = None) -> None:
+    """attention_decode's work (one token's rotary embedding, cache write and attention) by blocks of a KV head
+    and a split of its keys, each serving the head's whole GQA group (at most 8 query heads): part, float32
+    scratch of H*splits*(hd+2); done = counters(KV). splits: decode_splits by default."""
+    _, n_heads, hd = q.shape
+    n_kv, max_tokens = k_cache.shape[0], k_cache.shape[1]
+    g = 4 if n_heads // n_kv <= 4 else 8
+    splits = splits or decode_splits(max_tokens, n_kv)
+    launch("attention", N.per_group("attention_decode_split", hd, g), (splits, n_kv), (128,),
+           (q, k, v, cos, sin, i32(2 * cos.shape[1]), i32(1 if neox else 0), k_cache, v_cache, i32(max_tokens),
+            i32(n_heads), i32(n_kv), start, i32(window), f32(scale * LOG2_E), part, done, out, *q8_args(q8)))
 
 
 def counters(n: int) -> Any:
@@ -508,6 +558,28 @@ def attention(q, k_cache, v_cache, start, out, scale: float, window: int, part, 
     if n > 1:
         launch("attention", "attention_combine", (n, n_heads), (32 * _blocks(hd, 32),),
                (part, i32(n_heads), i32(hd), i32(z * wpq), out, i64(out.strides[0] // 4)))
+
+
+FLASH_ROWS = 64  # (token, query head) rows of a flash-attention block (flash_attention.cu FA_ROWS)
+
+
+def flash_attention_capable(n_heads: int, n_kv: int) -> bool:
+    """Whether prompt chunks attend on tensor cores (flash_attention.cu): a GPU with mma.sync m16n8k16 and
+    cp.async (compute capability 8.0; older ones keep attention()'s chunk path), and a GQA group that fits the
+    rows of one block."""
+    return _mma_capable() and n_heads // n_kv <= FLASH_ROWS
+
+
+def flash_attention(q, k_cache, v_cache, start, out, scale: float, window: int) -> None:
+    """A prompt chunk's attention in one kernel with no scratch: q (n, H, hd) strided view (rows 8-byte aligned),
+    its keys and values already in the cache (rope_store_kv); out (n, H*hd), rows 8-byte aligned. One block per
+    KV head and FLASH_ROWS // group tokens. Needs flash_attention_capable."""
+    n, n_heads, hd = q.shape
+    n_kv, max_tokens = k_cache.shape[0], k_cache.shape[1]
+    tokens = FLASH_ROWS // (n_heads // n_kv)
+    launch("flash_attention", N.per_head_dim("flash_attention", hd), (_blocks(n, tokens), n_kv), (128,),
+           (q, i64(q.strides[0] // 4), k_cache, v_cache, i32(max_tokens), i32(n_heads), i32(n_kv), start, i32(n),
+            i32(window), f32(scale * LOG2_E), out, i64(out.strides[0] // 4)))
 
 
 # ---- sampling ------------------------------------------------------------------------------------------

@@ -34,9 +34,16 @@ SWEEP_OPTION = "-DSWEEP_KERNELS"
 STREAM_FORMS = ("", "_lean")  # matvec_stream: plain, and at 32 registers
 LEAN_STREAM_TYPES = (T.Q4_0,)  # where the 32-register form paid on an H200 (8B Q4_0); the others' are sweep-only
 HEAD_DIMS = (64, 128, 256)  # head sizes the attention kernels are built for
-# Attention kernels built per head size: kind -> the oldest compute capability (major * 10 + minor) they are
-# built for (attention.cu builds the cluster form under __CUDA_ARCH__ >= 900).
-PER_HEAD_DIM = {"attention_partial": 75, "attention_decode": 90}
+# Attention kernels built per head size: kind -> (module, the oldest compute capability, major * 10 + minor, they
+# are built for).
+PER_HEAD_DIM = {"attention_partial": ("attention", 75), "flash_attention": ("flash_attention", 75)}
+# Decode attention built per head size and query slots a block (the GQA group, rounded up to 4 or 8): kind ->
+# (module, oldest capability, head size -> slots). attention.cu builds the cluster form under __CUDA_ARCH__ >= 900,
+# and no 8-slot cluster form at 256 dims (it would pass 48 KB of static shared memory).
+PER_GROUP = {
+    "attention_decode": ("attention", 90, {64: (4, 8), 128: (4, 8), 256: (4,)}),
+    "attention_decode_split": ("attention", 75, {hd: (4, 8) for hd in HEAD_DIMS}),
+}
 
 
 def typed(kind: str, qtype: T) -> str:
@@ -73,6 +80,12 @@ def per_head_dim(kind: str, head_dim: int) -> str:
     return f"{kind}_{head_dim}"
 
 
+def per_group(kind: str, head_dim: int, slots: int) -> str:
+    if kind not in PER_GROUP or slots not in PER_GROUP[kind][2].get(head_dim, ()):
+        raise ValueError(f"{kind} has no kernel for heads of {head_dim} with {slots} query slots")
+    return f"{kind}_{head_dim}_g{slots}"
+
+
 def built(capability: int, sweep: bool = False) -> dict[str, set[str]]:
     """Per module, every name the functions above build from their data for a GPU of this compute capability:
     the kernels of the modules the backend launches from, or (sweep) the ones only their sweep copies add."""
@@ -91,8 +104,12 @@ def built(capability: int, sweep: bool = False) -> dict[str, set[str]]:
     for kind, (module, types) in PER_TYPE.items():
         add(module, {typed(kind, t) for t in types})
     add("dequant", {dequant(t, half) for t in ALL_TYPES for half in (False, True)})
-    add("attention", {per_head_dim(kind, hd) for kind, oldest in PER_HEAD_DIM.items() if capability >= oldest
-                      for hd in HEAD_DIMS})
+    for kind, (module, oldest) in PER_HEAD_DIM.items():
+        if capability >= oldest:
+            add(module, {per_head_dim(kind, hd) for hd in HEAD_DIMS})
+    for kind, (module, oldest, slots) in PER_GROUP.items():
+        if capability >= oldest:
+            add(module, {per_group(kind, hd, g) for hd, gs in slots.items() for g in gs})
     return names
 
 
