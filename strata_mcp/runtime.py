@@ -8,6 +8,7 @@ never waits blind behind a long answer).
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from collections.abc import Iterator
@@ -80,6 +81,18 @@ class EngineSlot:
     memory_before_load: dict | None = None
 
 
+def open_runtime(data_dir: Path | None) -> Runtime:
+    """The Runtime, or a UserError whose one sentence says why the data folder cannot hold one."""
+    try:
+        return Runtime(data_dir)
+    except USER_ERRORS as exc:
+        raise UserError(str(exc)) from None
+    except OSError as exc:
+        raise UserError(
+            f"The data folder cannot be opened ({exc}); set STRATA_DATA_DIR (or --data-dir) to a folder you can write to."
+        ) from None
+
+
 class Runtime:
     def __init__(self, data_dir: Path | None = None):
         self.store = Store(data_dir)
@@ -97,7 +110,7 @@ class Runtime:
         with self._lock:
             slot = self.slot
             if slot.state in ("loading", "ready", "busy"):
-                if slot.model_id == model_id and slot.state != "loading":
+                if slot.model_id == model_id:  # already there, or on its way: the caller follows it
                     return
                 raise UserError(
                     f"{slot.model_id} is {slot.state}; call stop first, then start {model_id}."
@@ -173,6 +186,9 @@ class Runtime:
             self.slot = EngineSlot()
         if model is not None:
             model.close()
+            # A failed chat's traceback can still reach the model's arrays through a reference cycle: collect it
+            # now, so the memory is back before stop measures it.
+            gc.collect()
         return previous
 
     # -- chatting ------------------------------------------------------------------------

@@ -10,15 +10,15 @@ from pydantic import BaseModel, Field, model_validator
 from engine import GenerationSettings
 from strata_mcp.reports import ChatTimings
 from strata_mcp.runtime import Runtime, UserError
-from strata_mcp.tooling import Reporter, ToolSpec
+from strata_mcp.tooling import Reporter, ToolInput, ToolSpec
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(ToolInput):
     role: Literal["system", "user", "assistant"]
     content: str
 
 
-class ChatInput(BaseModel):
+class ChatInput(ToolInput):
     messages: list[ChatMessage] | None = Field(
         None, description="The conversation so far, oldest first, ending with the user's turn. Give this or prompt."
     )
