@@ -15,10 +15,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import psutil
 
-from engine import EngineError, LoadedModel, capabilities, load_model
+from engine import EngineError, GenerationResult, LoadedModel, capabilities, load_model
 from setup_logic.catalog import get_model
 from setup_logic.errors import SetupError, UnknownModelError
 from setup_logic.fit import EngineProfile, MemoryEstimate, estimate_memory
@@ -26,8 +27,15 @@ from setup_logic.install import Installer
 from setup_logic.store import Store
 
 
-def measure_memory() -> dict:
-    """This process's resident memory and, where NVML answers, the first GPU's used memory."""
+@dataclass(frozen=True)
+class MemorySnapshot:
+    """This process's resident memory and, where NVML answers, the first GPU's used memory (all processes)."""
+
+    process_rss_bytes: int
+    gpu_used_bytes: int | None
+
+
+def measure_memory() -> MemorySnapshot:
     used = None
     try:
         import pynvml
@@ -39,7 +47,7 @@ def measure_memory() -> dict:
             pynvml.nvmlShutdown()
     except Exception:  # no NVIDIA driver: a normal case, not an error
         pass
-    return {"process_rss_bytes": psutil.Process().memory_info().rss, "gpu_used_bytes": used}
+    return MemorySnapshot(psutil.Process().memory_info().rss, used)
 
 
 def engine_profile() -> EngineProfile:
@@ -68,17 +76,20 @@ class LoadProgress:
     message: str = ""
 
 
+EngineState = Literal["stopped", "loading", "ready", "busy", "failed"]
+
+
 @dataclass
 class EngineSlot:
-    state: str = "stopped"  # stopped | loading | ready | busy | failed
+    state: EngineState = "stopped"
     model_id: str | None = None
     model: LoadedModel | None = None
     load: LoadProgress = field(default_factory=LoadProgress)
     load_started: float = 0.0
     load_seconds: float | None = None
     error: str | None = None
-    last_chat: dict | None = None
-    memory_before_load: dict | None = None
+    last_chat: GenerationResult | None = None
+    memory_before_load: MemorySnapshot | None = None
 
 
 def open_runtime(data_dir: Path | None) -> Runtime:
@@ -192,6 +203,12 @@ class Runtime:
         return previous
 
     # -- chatting ------------------------------------------------------------------------
+    def record_chat(self, model: LoadedModel, result: GenerationResult) -> None:
+        """Keep a chat's figures for status, unless its model was unloaded meanwhile."""
+        with self._lock:
+            if self.slot.model is model:
+                self.slot.last_chat = result
+
     @contextmanager
     def chatting(self) -> Iterator[tuple[LoadedModel, threading.Event]]:
         """Hold the model for one chat; refuse when there is none or it is already answering."""
