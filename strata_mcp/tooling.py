@@ -73,7 +73,7 @@ def one_line(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:
     text = re.sub(r"\s+", " ", text).strip()
     if len(text) > limit:
         text = text[: limit - 4].rstrip() + "..."
-    return text if text.endswith((".", "?", "!")) else text + "."
+    return text if text.endswith(".") else text + "."
 
 
 def _name(loc: tuple) -> str:
