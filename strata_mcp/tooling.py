@@ -20,7 +20,7 @@ from typing import Annotated, Any
 import anyio
 import anyio.lowlevel
 from mcp.server.mcpserver import Context, MCPServer
-from mcp.server.mcpserver.exceptions import ToolError
+from mcp.server.mcpserver.exceptions import ToolError, UnexpectedToolError
 from mcp.types import CallToolResult, TextContent, ToolAnnotations
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -68,11 +68,14 @@ class ToolSpec:
 
 # -- one line for every failure ------------------------------------------------------------------
 
-def one_line(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:
-    """`text` on one line, at most `limit` characters, ending with a full stop."""
+def _squash(text: str, limit: int) -> str:
     text = re.sub(r"\s+", " ", text).strip()
-    if len(text) > limit:
-        text = text[: limit - 4].rstrip() + "..."
+    return text if len(text) <= limit else text[: limit - 3].rstrip() + "..."
+
+
+def one_line(text: str) -> str:
+    """`text` on one line, at most MAX_MESSAGE_CHARS long, ending with a full stop."""
+    text = _squash(text, MAX_MESSAGE_CHARS - 1)
     return text if text.endswith(".") else text + "."
 
 
@@ -111,7 +114,8 @@ def failure_sentence(tool: str, exc: BaseException) -> str:
     """What the caller reads: the sentence of an error a person can fix, else a bug report request."""
     if isinstance(exc, USER_ERRORS):
         return one_line(str(exc))
-    return one_line(f"{tool} failed unexpectedly: {type(exc).__name__}: {exc}; this is a bug, report it.")
+    detail = _squash(f"{type(exc).__name__}: {str(exc).strip().rstrip('.')}", MAX_MESSAGE_CHARS // 2)
+    return f"{tool} failed unexpectedly: {detail}; this is a bug, report it."
 
 
 # -- serving over MCP ------------------------------------------------------------------------------
@@ -229,6 +233,8 @@ class ToolServer(MCPServer):
             return _error_result(str(exc))
         except ToolError as exc:
             cause = exc.__cause__ or exc
+            if isinstance(cause, ValidationError) and not isinstance(exc, UnexpectedToolError):  # the SDK's argument check
+                return _error_result(validation_message(spec, cause))
             if not isinstance(cause, USER_ERRORS):
                 log.error("Tool %s crashed", name, exc_info=cause)
             return _error_result(failure_sentence(name, cause))
