@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Literal
 
 from mcp.types import ToolAnnotations
-from pydantic import BaseModel, Field
+from pydantic import Field
 
 from setup_logic.catalog import load_catalog
 from setup_logic.fit import Preferences, Recommendation, recommend
