@@ -36,12 +36,20 @@ class LoadProgressView(BaseModel):
 def _timings_model() -> type[BaseModel]:
     """The engine's GenerationResult without the text and finish reason: derived, so the two cannot drift apart."""
     hints = typing.get_type_hints(GenerationResult)
-    fields = {f.name: (hints[f.name], ...) for f in dataclasses.fields(GenerationResult) if f.name not in ("text", "finish_reason")}
+    fields = {
+        f.name: (hints[f.name], Field(description=TIMING_NOTES.get(f.name)))
+        for f in dataclasses.fields(GenerationResult) if f.name not in ("text", "finish_reason")
+    }
     return create_model(
         "ChatTimings", __config__=ConfigDict(from_attributes=True), __doc__="Token counts and speeds of one chat.", **fields
     )
 
 
+TIMING_NOTES = {
+    "cached_prompt_tokens": "Prompt tokens reused from the previous turn's KV cache.",
+    "prompt_tokens_per_second": "Uncached prompt tokens per second of prompt processing.",
+    "output_tokens_per_second": "Generated tokens per second of decoding.",
+}
 ChatTimings = _timings_model()
 
 
