@@ -17,6 +17,8 @@ from strata_mcp.tooling import Reporter, ToolSpec, failure_sentence, parse_args
 from strata_mcp.tools import chat, check_pc, choose_model, install, start, status, stop
 
 QUICKSTART_QUESTION = "What is the capital of France?"
+# The CLI follows installs and loads to the end, one tool call after another, so how long one call waits is its own.
+FOLLOWED = ("wait_seconds",)
 
 
 class TerminalProgress:
@@ -209,12 +211,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("install", help="Download and verify a model (shows the plan first).")
     p.add_argument("model", nargs="?", default=DEFAULT_MODEL)
     p.add_argument("--yes", action="store_true", help="Do not ask before downloading.")
-    add_options(p, install.SPEC, skip=("model", "confirm"))
+    add_options(p, install.SPEC, skip=FOLLOWED + ("model", "confirm"))
     p.set_defaults(func=cmd_install)
 
     p = sub.add_parser("chat", help="Load a model and answer one prompt (or --messages).")
     p.add_argument("prompt", nargs="?", default=argparse.SUPPRESS)
-    add_options(p, start.SPEC)
+    add_options(p, start.SPEC, skip=FOLLOWED)
     add_options(p, chat.SPEC, skip=("prompt",))
     p.set_defaults(func=cmd_chat)
 

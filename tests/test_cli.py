@@ -76,8 +76,8 @@ def _options(command: str) -> set[str]:
     [
         ("check", [check_pc.SPEC], set()),
         ("choose", [choose_model.SPEC], set()),
-        ("install", [install.SPEC], {"confirm"}),  # --yes, after the plan
-        ("chat", [start.SPEC, chat.SPEC], set()),
+        ("install", [install.SPEC], {"confirm", "wait_seconds"}),  # --yes after the plan; followed to the end
+        ("chat", [start.SPEC, chat.SPEC], {"wait_seconds"}),
         ("status", [status.SPEC], set()),
     ],
 )
