@@ -27,13 +27,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine import load_model  # noqa: E402
-from engine.backend import SamplingParams  # noqa: E402
+from engine import GenerationSettings, load_model  # noqa: E402
 from engine.generate import prefill, sampled_tokens  # noqa: E402
 from engine.sampler import Sampler  # noqa: E402
 
 BANDWIDTH = 4.3e12  # bytes/s, device-to-device copy measured on an H200 (shared/reference/engine-anchors.md)
-GREEDY = SamplingParams(temperature=0.0)
+GREEDY = GenerationSettings(temperature=0.0).sampling()
 
 
 def bytes_per_token(weights, top_k: int | None = None) -> int:

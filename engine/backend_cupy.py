@@ -21,7 +21,7 @@ import cupyx
 import numpy as np
 
 from engine import quants
-from engine.backend import ROPE_NEOX, ROPE_NORMAL, KVCache, RopeTable, SamplingParams
+from engine.backend import ROPE_NEOX, ROPE_NORMAL, KVCache, MemoryInUse, RopeTable, SamplingParams
 from engine.capabilities import DEQUANT_SCRATCH_ELEMENTS, GPU_KV_DTYPE, MIN_COMPUTE_CAPABILITY
 from engine.errors import EngineError
 from engine.gguf_file import GGUFTensor
@@ -168,15 +168,9 @@ class CupyBackend:
         shape = (n_layers, n_kv_heads, max_tokens, head_dim)
         return self._hold(KVCache(cupy.zeros(shape, GPU_KV_DTYPE), cupy.zeros(shape, GPU_KV_DTYPE)))
 
-    def memory_in_use(self) -> dict[str, int]:
-        """Bytes in CuPy's pool for this process, and the GPU's free/total memory as the driver reports it."""
-        free, total = cupy.cuda.runtime.memGetInfo()
-        return {
-            "host_bytes": 0,
-            "device_bytes": int(cupy.get_default_memory_pool().used_bytes()),
-            "gpu_free_bytes": int(free),
-            "gpu_total_bytes": int(total),
-        }
+    def memory_in_use(self) -> MemoryInUse:
+        """Bytes in CuPy's pool for this process."""
+        return MemoryInUse(device_bytes=int(cupy.get_default_memory_pool().used_bytes()))
 
     def synchronize(self) -> None:
         self.stream.synchronize()

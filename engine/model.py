@@ -12,7 +12,7 @@ import numpy as np
 import psutil
 
 from engine.arch import architecture_module
-from engine.backend import Backend
+from engine.backend import Backend, MemoryInUse
 from engine.backend_numpy import NumpyBackend
 from engine.capabilities import DEFAULT_CONTEXT, MAX_PROMPT_CHUNK
 from engine.chat_template import ChatTemplate
@@ -174,10 +174,10 @@ class LoadedModel:
                 rows.append(state.backend.to_host(self._all_logits[: len(part)]))
             return np.concatenate(rows), 0
 
-    def memory_in_use(self) -> dict[str, int]:
-        """{"host_bytes": ..., "device_bytes": ...} held by the backend (0 and 0 once closed)."""
+    def memory_in_use(self) -> MemoryInUse:
+        """What the backend holds (nothing once closed)."""
         if self._state is None:
-            return {"host_bytes": 0, "device_bytes": 0}
+            return MemoryInUse()
         return self._state.backend.memory_in_use()
 
     def close(self) -> None:
@@ -224,8 +224,7 @@ def load_model(
         try:
             _check_cpu_memory(gguf, backend)
             weights = arch.load_weights(gguf, config, backend, context, on_progress, should_cancel)
-            weight_bytes = backend.memory_in_use()
-            weight_bytes = weight_bytes["host_bytes"] + weight_bytes["device_bytes"]
+            weight_bytes = backend.memory_in_use().total_bytes
             cache = backend.kv_cache(config.n_layers, config.n_kv_heads, config.head_dim, context)
             workspace = arch.new_workspace(config, backend, min(MAX_PROMPT_CHUNK, context))
         except MemoryError:

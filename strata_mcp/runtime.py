@@ -9,6 +9,7 @@ as an HTTP client expects.
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import time
@@ -17,10 +18,11 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import psutil
 
-from engine import EngineError, LoadedModel, capabilities, load_model
+from engine import EngineError, GenerationResult, LoadedModel, capabilities, load_model
 from setup_logic.catalog import get_model
 from setup_logic.errors import SetupError, UnknownModelError
 from setup_logic.engine_profile import EngineProfile
@@ -30,8 +32,15 @@ from setup_logic.store import Store
 from strata_mcp.server_log import open_log
 
 
-def measure_memory() -> dict:
-    """This process's resident memory and, where NVML answers, the first GPU's used memory."""
+@dataclass(frozen=True)
+class MemorySnapshot:
+    """This process's resident memory and, where NVML answers, the first GPU's used memory (all processes)."""
+
+    process_rss_bytes: int
+    gpu_used_bytes: int | None
+
+
+def measure_memory() -> MemorySnapshot:
     used = None
     try:
         import pynvml
@@ -43,7 +52,7 @@ def measure_memory() -> dict:
             pynvml.nvmlShutdown()
     except Exception:  # no NVIDIA driver: a normal case, not an error
         pass
-    return {"process_rss_bytes": psutil.Process().memory_info().rss, "gpu_used_bytes": used}
+    return MemorySnapshot(psutil.Process().memory_info().rss, used)
 
 
 def engine_profile() -> EngineProfile:
@@ -76,17 +85,32 @@ class LoadProgress:
     message: str = ""
 
 
+EngineState = Literal["stopped", "loading", "ready", "busy", "failed"]
+
+
 @dataclass
 class EngineSlot:
-    state: str = "stopped"  # stopped | loading | ready | busy | failed
+    state: EngineState = "stopped"
     model_id: str | None = None
     model: LoadedModel | None = None
     load: LoadProgress = field(default_factory=LoadProgress)
     load_started: float = 0.0
     load_seconds: float | None = None
     error: str | None = None
-    last_chat: dict | None = None
-    memory_before_load: dict | None = None
+    last_chat: GenerationResult | None = None
+    memory_before_load: MemorySnapshot | None = None
+
+
+def open_runtime(data_dir: Path | None) -> Runtime:
+    """The Runtime, or a UserError whose one sentence says why the data folder cannot hold one."""
+    try:
+        return Runtime(data_dir)
+    except USER_ERRORS as exc:
+        raise UserError(str(exc)) from None
+    except OSError as exc:
+        raise UserError(
+            f"The data folder cannot be opened ({exc}); set STRATA_DATA_DIR (or --data-dir) to a folder you can write to."
+        ) from None
 
 
 class Runtime:
@@ -116,7 +140,7 @@ class Runtime:
         with self._lock:
             slot = self.slot
             if slot.state in ("loading", "ready", "busy"):
-                if slot.model_id == model_id and slot.state != "loading":
+                if slot.model_id == model_id:  # already there, or on its way: the caller follows it
                     return
                 raise UserError(
                     f"{slot.model_id} is {slot.state}; call stop first, then start {model_id}."
@@ -195,9 +219,18 @@ class Runtime:
             self.slot = EngineSlot()
         if model is not None:
             model.close()
+            # A failed chat's traceback can still reach the model's arrays through a reference cycle: collect it
+            # now, so the memory is back before stop measures it.
+            gc.collect()
         return previous
 
     # -- chatting ------------------------------------------------------------------------
+    def record_chat(self, model: LoadedModel, result: GenerationResult) -> None:
+        """Keep a chat's figures for status, unless its model was unloaded meanwhile."""
+        with self._lock:
+            if self.slot.model is model:
+                self.slot.last_chat = result
+
     @contextmanager
     def chatting(self) -> Iterator[tuple[LoadedModel, threading.Event]]:
         """Hold the model for one chat; refuse when there is none or it is already answering."""

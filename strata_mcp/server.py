@@ -7,11 +7,9 @@ import logging
 import sys
 from pathlib import Path
 
-from mcp.server.mcpserver import MCPServer
-
 from strata_mcp import __version__
-from strata_mcp.runtime import Runtime
-from strata_mcp.tooling import register
+from strata_mcp.runtime import Runtime, UserError, open_runtime
+from strata_mcp.tooling import ToolServer
 from strata_mcp.tools import ALL_TOOLS
 
 INSTRUCTIONS = """\
@@ -33,10 +31,11 @@ The embedded default model (smollm2-135m-instruct, 98 MB) is tiny: good to test 
 """
 
 
-def build_server(runtime: Runtime) -> MCPServer:
-    server = MCPServer("strata-mcp", version=__version__, instructions=INSTRUCTIONS)
+def build_server(runtime: Runtime | None, startup_error: str | None = None) -> ToolServer:
+    """The server; without a runtime every tool answers with `startup_error` (the client still connects)."""
+    server = ToolServer("strata-mcp", version=__version__, instructions=INSTRUCTIONS, startup_error=startup_error)
     for spec in ALL_TOOLS:
-        register(server, runtime, spec)
+        server.add_spec(runtime, spec)
     return server
 
 
@@ -46,7 +45,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     # stdout carries the protocol; logs go to stderr.
     logging.basicConfig(stream=sys.stderr, level=logging.WARNING)
-    build_server(Runtime(args.data_dir)).run("stdio")
+    try:
+        server = build_server(open_runtime(args.data_dir))
+    except UserError as exc:
+        server = build_server(None, str(exc))
+    server.run("stdio")
 
 
 if __name__ == "__main__":

@@ -143,13 +143,8 @@ def _run(runtime: Runtime, job: Job, emit: Callable[[str, Any], None], gone: thr
         text, calls = parse_tool_calls(text)
         if calls:
             finish = "tool_calls"
-    timings = ChatTimings(
-        prompt_tokens=result.prompt_tokens, cached_prompt_tokens=result.cached_prompt_tokens,
-        completion_tokens=result.completion_tokens, prompt_seconds=result.prompt_seconds,
-        decode_seconds=result.decode_seconds, prompt_tokens_per_second=result.prompt_tokens_per_second,
-        output_tokens_per_second=result.output_tokens_per_second,
-    )
-    runtime.slot.last_chat = timings.model_dump()
+    timings = ChatTimings.model_validate(result)
+    runtime.record_chat(model, result)
     return Outcome(text, finish, stops.matched, calls, result.prompt_tokens, result.completion_tokens, timings)
 
 

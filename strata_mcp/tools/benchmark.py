@@ -11,7 +11,7 @@ from pydantic import BaseModel, Field
 from engine import GenerationSettings
 from setup_logic.hardware import probe_cpu, probe_nvidia
 from strata_mcp.runtime import Runtime
-from strata_mcp.tooling import Reporter, ToolSpec
+from strata_mcp.tooling import Reporter, ToolInput, ToolSpec
 
 # Plain prose of about 300 tokens, the same on every run, so runs compare; the run number in front makes
 # each prompt new to the KV cache, so its prefill is measured rather than reused.
@@ -33,7 +33,7 @@ PROMPT = (
 )
 
 
-class BenchmarkInput(BaseModel):
+class BenchmarkInput(ToolInput):
     max_tokens: int = Field(128, ge=16, le=1024, description="Tokens to generate (the model does not stop early).")
 
 

@@ -7,13 +7,13 @@ from pydantic import BaseModel, Field
 
 from strata_mcp.http.serving import LOCALHOST, remembered_port
 from strata_mcp.runtime import Runtime
-from strata_mcp.tooling import Reporter, ToolSpec
+from strata_mcp.tooling import Reporter, ToolInput, ToolSpec
 
 KEY_PLACEHOLDER = "<your API key>"
 NO_KEY = "local"  # clients insist on some key; a local-only endpoint takes any
 
 
-class ConnectInfoInput(BaseModel):
+class ConnectInfoInput(ToolInput):
     """connect_info takes no arguments."""
 
 

@@ -10,10 +10,10 @@ from pydantic import BaseModel, Field
 
 from setup_logic.install import FINISHED, Installer, InstallPlan, InstallProgress
 from strata_mcp.runtime import DEFAULT_MODEL, Runtime
-from strata_mcp.tooling import Reporter, ToolSpec
+from strata_mcp.tooling import Reporter, ToolInput, ToolSpec
 
 
-class InstallInput(BaseModel):
+class InstallInput(ToolInput):
     model: str = Field(DEFAULT_MODEL, description="Catalog id from choose_model.")
     confirm: bool = Field(False, description="false: only show the plan (nothing is written). true: download and verify.")
     cancel: bool = Field(False, description="Stop a running install; its partial bytes are kept for a later resume.")

@@ -7,10 +7,10 @@ from pydantic import BaseModel, Field
 
 from strata_mcp.runtime import Runtime
 from strata_mcp.server_log import log_path, tail
-from strata_mcp.tooling import Reporter, ToolSpec
+from strata_mcp.tooling import Reporter, ToolInput, ToolSpec
 
 
-class LogsInput(BaseModel):
+class LogsInput(ToolInput):
     lines: int = Field(50, ge=1, le=1000, description="How many of the newest lines to return.")
 
 

@@ -14,11 +14,11 @@ from setup_logic.hardware import probe
 from strata_mcp.http.serving import serve
 from strata_mcp.reports import EngineStatus, engine_status
 from strata_mcp.runtime import Runtime, UserError, engine_profile
-from strata_mcp.tooling import Reporter, ToolSpec
+from strata_mcp.tooling import Reporter, ToolInput, ToolSpec
 
 
-class StartInput(BaseModel):
-    model: str | None = Field(None, description="Installed model id; default: the only installed model, or the embedded default.")
+class StartInput(ToolInput):
+    model: str | None = Field(None, description="Installed model id; default: the only installed model (with several installed, give one).")
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="auto: the GPU when an NVIDIA GPU with CUDA and CuPy is usable, else the CPU."
     )
@@ -73,7 +73,8 @@ def run(runtime: Runtime, args: StartInput, reporter: Reporter) -> StartOutput:
             f"loaded in {slot.load_seconds:.1f} s; next: chat."
         )
     elif slot.state == "loading":
-        summary = f"{model_id} is still loading ({slot.load.message}); call status or start again to follow it."
+        where = f" ({slot.load.message})" if slot.load.message else ""
+        summary = f"{model_id} is still loading{where}; call status or start again to follow it."
     else:
         summary = f"{model_id} did not load: {slot.error}"
     endpoint = None
@@ -88,8 +89,9 @@ SPEC = ToolSpec(
     title="Start (load) a model",
     description=(
         "Load an installed model into the in-process engine (GPU when available, else CPU) and wait up to "
-        "wait_seconds, reporting progress; returns 'ready' or 'loading'. One model is loaded at a time: "
-        "stop the current one first. Says which backend was chosen and why."
+        "wait_seconds, reporting progress; returns 'ready' or 'loading' (call start again to follow a load). "
+        "model may be left out only when exactly one model is installed. One model is loaded at a time: stop the "
+        "current one first to switch. Says which backend was chosen and why."
     ),
     input_model=StartInput,
     output_model=StartOutput,

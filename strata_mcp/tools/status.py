@@ -9,10 +9,10 @@ from setup_logic.install import InstallProgress
 from setup_logic.store import InstalledModel
 from strata_mcp.reports import EngineStatus, engine_status
 from strata_mcp.runtime import Runtime
-from strata_mcp.tooling import Reporter, ToolSpec
+from strata_mcp.tooling import Reporter, ToolInput, ToolSpec
 
 
-class StatusInput(BaseModel):
+class StatusInput(ToolInput):
     """status takes no arguments."""
 
 
