@@ -32,8 +32,7 @@ class AttentionBuffers(Buffers):
 class Attention:
     qkv: list[WeightHandle]  # one stacked (q_dim + 2 kv_dim, hidden) matrix, or q, k, v separately
     qkv_bias: list[WeightHandle] | None  # matching the split of `qkv`
-    q_norm: WeightHandle | None
-    k_norm: WeightHandle | None
+    qk_norm: tuple[WeightHandle, WeightHandle] | None  # per-head RMSNorm weights of Q and K
     out: WeightHandle
     rope: RopeTable
     window: int  # 0: attend to every earlier position
@@ -59,8 +58,8 @@ class Attention:
         return cls(
             qkv=qkv,
             qkv_bias=bias,
-            q_norm=source.upload(layer, "attn_q_norm.weight") if c.qk_norm else None,
-            k_norm=source.upload(layer, "attn_k_norm.weight") if c.qk_norm else None,
+            qk_norm=(source.upload(layer, "attn_q_norm.weight"), source.upload(layer, "attn_k_norm.weight"))
+            if c.qk_norm else None,
             out=source.upload(layer, "attn_output.weight"),
             rope=source.rope(sliding),
             window=c.sliding_window if sliding else 0,
@@ -79,16 +78,18 @@ class Attention:
         )
 
     def run(self, config: DecoderConfig, chunk: Chunk, backend: Backend, cache: KVCache, layer: int) -> None:
-        c, b = config, chunk.parts[ATTENTION]
+        c = config
+        b: AttentionBuffers = chunk.parts[ATTENTION]
         if len(self.qkv) == 1:
             backend.linear(chunk.h, self.qkv[0], b.qkv, self.qkv_bias[0] if self.qkv_bias else None)
         else:
             bounds = [0, c.q_dim, c.q_dim + c.kv_dim, c.q_dim + 2 * c.kv_dim]
             for j, (weight, lo, hi) in enumerate(zip(self.qkv, bounds, bounds[1:])):
                 backend.linear(chunk.h, weight, b.qkv[:, lo:hi], self.qkv_bias[j] if self.qkv_bias else None)
-        if self.q_norm is not None:
-            backend.rms_norm(b.q, self.q_norm, c.rms_eps, b.q)
-            backend.rms_norm(b.k, self.k_norm, c.rms_eps, b.k)
+        if self.qk_norm is not None:
+            q_norm, k_norm = self.qk_norm
+            backend.rms_norm(b.q, q_norm, c.rms_eps, b.q)
+            backend.rms_norm(b.k, k_norm, c.rms_eps, b.k)
         backend.rope_attention(b.q, b.k, b.v, self.rope, c.rope_style, cache, layer, chunk.start, b.out, c.attn_scale,
                                self.window)
         backend.linear(b.out, self.out, chunk.delta)

@@ -74,8 +74,6 @@ def part_kinds(config: DecoderConfig) -> dict[str, type[LayerPart]]:
     if not len(config.mixer_kinds) == len(config.ffn_kinds) == config.n_layers:
         raise EngineError(f"The decoder config names the parts of {len(config.mixer_kinds)} and "
                           f"{len(config.ffn_kinds)} layers, but the model has {config.n_layers}.")
-    if MOE in config.ffn_kinds and config.experts is None:
-        raise EngineError("The decoder config has mixture-of-experts layers but no `experts` geometry.")
     used: dict[str, type[LayerPart]] = {}
     for what, table, registry, kinds in (("a mixer", "MIXERS", MIXERS, config.mixer_kinds),
                                          ("an FFN", "FFNS", FFNS, config.ffn_kinds)):
@@ -117,23 +115,24 @@ def load_weights(
         ))
     output_norm = loader.upload(gguf.tensor("output_norm.weight"))
     output = loader.upload(gguf.tensor("output.weight")) if has_output else token_embd
+    source.make_ropes()
     return DecoderWeights(token_embd, layers, output_norm, output)
 
 
 def new_workspace(config: DecoderConfig, backend: Backend, max_chunk: int) -> Workspace:
-    e = backend.empty
+    # Allocated in the order a layer uses them, the placement in device memory the decode step was tuned with.
+    c, e, kinds = config, backend.empty, part_kinds(config)
+
+    def buffers(used: tuple[str, ...]) -> dict[str, Buffers]:
+        return {kind: kinds[kind].buffers(c, backend, max_chunk) for kind in dict.fromkeys(used)}
+
     ids = e((1 + max_chunk,), np.int32)
-    return Workspace(
-        ids=ids,
-        tokens=ids[1:],
-        start=ids[:1],
-        x=e((max_chunk, config.hidden)),
-        h=e((max_chunk, config.hidden)),
-        delta=e((max_chunk, config.hidden)),
-        logits=e((1, config.vocab_size)),
-        max_chunk=max_chunk,
-        parts={kind: part.buffers(config, backend, max_chunk) for kind, part in part_kinds(config).items()},
-    )
+    x, h = e((max_chunk, c.hidden)), e((max_chunk, c.hidden))
+    parts = buffers(c.mixer_kinds)
+    delta = e((max_chunk, c.hidden))
+    parts |= buffers(c.ffn_kinds)
+    logits = e((1, c.vocab_size))
+    return Workspace(ids, ids[1:], ids[:1], x, h, delta, logits, max_chunk, parts)
 
 
 def forward(

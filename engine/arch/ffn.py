@@ -41,7 +41,7 @@ class DenseFFN:
         return DenseBuffers(backend.empty((max_chunk, config.ffn_width)), backend.empty((max_chunk, config.ffn_width)))
 
     def run(self, config: DecoderConfig, chunk: Chunk, backend: Backend, cache: KVCache, layer: int) -> None:
-        b = chunk.parts[DENSE]
+        b: DenseBuffers = chunk.parts[DENSE]
         backend.gated_ffn(chunk.h, self.gate, self.up, b.act, b.scratch, config.activation)
         backend.linear(b.act, self.down, chunk.delta)
 
@@ -60,6 +60,8 @@ class MoeFFN:
     gate_exps: WeightHandle  # (experts, width, hidden)
     up_exps: WeightHandle
     down_exps: WeightHandle  # (experts, hidden, width)
+    top_k: int
+    normalize_weights: bool
 
     @staticmethod
     def uploads(config: DecoderConfig) -> int:
@@ -68,11 +70,13 @@ class MoeFFN:
     @classmethod
     def load(cls, source: LayerSource, layer: int) -> MoeFFN:
         names = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
-        return cls(*(source.upload(layer, f"{name}.weight") for name in names))
+        router, gate, up, down = (source.upload(layer, f"{name}.weight") for name in names)
+        e = source.config.moe()
+        return cls(router, gate, up, down, e.top_k, e.normalize_weights)
 
     @staticmethod
     def buffers(config: DecoderConfig, backend: Backend, max_chunk: int) -> MoeBuffers:
-        e = config.experts
+        e = config.moe()
         return MoeBuffers(
             router_logits=backend.empty((max_chunk, e.count)),
             weights=backend.empty((max_chunk, e.top_k)),
@@ -81,9 +85,10 @@ class MoeFFN:
         )
 
     def run(self, config: DecoderConfig, chunk: Chunk, backend: Backend, cache: KVCache, layer: int) -> None:
-        e, b, h = config.experts, chunk.parts[MOE], chunk.h
+        b: MoeBuffers = chunk.parts[MOE]
+        h = chunk.h
         backend.linear(h, self.router, b.router_logits)
-        backend.moe_route(b.router_logits, e.top_k, e.normalize_weights, b.weights, b.ids)
+        backend.moe_route(b.router_logits, self.top_k, self.normalize_weights, b.weights, b.ids)
         backend.moe_ffn(h, self.gate_exps, self.up_exps, self.down_exps, b.ids, b.weights, chunk.delta, b.scratch,
                         config.activation)
 

@@ -8,12 +8,13 @@ the norms and residual adds. A part kind is a class with the four members of `La
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
 from engine.arch.common import WeightLoader, hparam, rope_inv_freq
 from engine.backend import ROPE_NORMAL, Array, Backend, KVCache, RopeTable, WeightHandle
+from engine.errors import EngineError
 from engine.gguf_file import GGUFFile, GGUFTensor
 
 ATTENTION = "attention"
@@ -71,6 +72,12 @@ class DecoderConfig:
     def sliding(self, layer: int) -> bool:
         return bool(self.sliding_layers) and self.sliding_layers[layer]
 
+    def moe(self) -> Experts:
+        """The experts of the "moe" FFN layers, or EngineError where the config has none."""
+        if self.experts is None:
+            raise EngineError("The decoder config has mixture-of-experts layers but no `experts` geometry.")
+        return self.experts
+
 
 def read_decoder_config(gguf: GGUFFile, rope_base: float, rms_eps: float, ffn_width: int | None = None) -> DecoderConfig:
     """A plain decoder (Llama's: attention and a dense SwiGLU FFN in every layer) from the metadata; the
@@ -117,13 +124,12 @@ class Chunk:
     x: Array  # (n, hidden) residual stream
     h: Array  # (n, hidden) normed input of the current part
     delta: Array  # (n, hidden) the part's output, added to x by the next fused norm
-    parts: dict[str, Buffers]  # each part kind's buffers, by kind
+    parts: dict[str, Any]  # each part kind's Buffers, by kind
 
 
 @dataclass
 class LayerSource:
-    """What a part loads from: the file, the config, the loader that counts progress, and the rotary tables
-    (each made once, on first use, and shared by every layer that rotates with it)."""
+    """What a part loads from: the file, the config, the loader that counts progress, and the rotary tables."""
 
     gguf: GGUFFile
     config: DecoderConfig
@@ -138,13 +144,20 @@ class LayerSource:
         return self.loader.upload(self.tensor(layer, name))
 
     def rope(self, sliding: bool) -> RopeTable:
-        """The global layers' table (the file's base and scaling) or the sliding layers' (their base, unscaled)."""
-        if sliding not in self._ropes:
-            c = self.config
+        """The global layers' table (the file's base and scaling) or the sliding layers' (their base, unscaled),
+        one shared by every layer that rotates with it; filled by `make_ropes`."""
+        return self._ropes.setdefault(sliding, RopeTable(None, None))
+
+    def make_ropes(self) -> None:
+        """Fill the tables asked for, once every weight is uploaded: the decode step was tuned with them after the
+        weights in device memory (made among layer 0's weights, with the workspace in another order, the 1.2B
+        Q4_0 model decoded 0.3% slower on the H200)."""
+        c = self.config
+        for sliding in sorted(self._ropes):
             base = c.local_rope_base if sliding else c.rope_base
-            inv_freq = rope_inv_freq(self.gguf, c.rot_dim, base, scaled=not sliding)
-            self._ropes[sliding] = self.loader.backend.rope_table(inv_freq, self.max_positions)
-        return self._ropes[sliding]
+            made = self.loader.backend.rope_table(rope_inv_freq(self.gguf, c.rot_dim, base, scaled=not sliding),
+                                                  self.max_positions)
+            self._ropes[sliding].cos, self._ropes[sliding].sin = made.cos, made.sin
 
 
 class LayerPart(Protocol):
