@@ -1,32 +1,73 @@
 """Architecture registry: `general.architecture` -> the module that runs it.
 
-An architecture module provides plain functions (no layer classes), the same for every backend:
-
-    read_config(gguf) -> config      with n_layers, n_kv_heads, head_dim, vocab_size, context_length
-    load_weights(gguf, config, backend, max_positions, on_progress, should_cancel) -> weights
-    new_workspace(config, backend, max_chunk) -> workspace with .ids (1 + max_chunk,) int32 (the first position,
-                                                 then the token ids; .start and .tokens view it), .logits (1, vocab)
-                                                 float32 and .max_chunk
-    forward(config, weights, workspace, backend, cache, n, logits_out=None) -> logits
+Every family module reads its hyper-parameters from the GGUF into a DecoderConfig (engine/arch/parts.py) and
+runs on the one decoder (engine/arch/decoder.py), whose load_weights, new_workspace and forward it exports; a
+module is an `Architecture`.
 """
 
 from __future__ import annotations
 
-import importlib
-from types import ModuleType
+from typing import TYPE_CHECKING, Callable, Protocol, runtime_checkable
 
+from engine.arch import gemma3, llama, qwen3, qwen3moe
 from engine.errors import EngineError
 
-ARCHITECTURES = {
-    "gemma3": "engine.arch.gemma3",
-    "llama": "engine.arch.llama",
-    "qwen2": "engine.arch.qwen3",
-    "qwen3": "engine.arch.qwen3",
-    "qwen3moe": "engine.arch.qwen3moe",
+if TYPE_CHECKING:
+    from engine.arch.decoder import DecoderWeights, Workspace
+    from engine.arch.parts import DecoderConfig
+    from engine.backend import Array, Backend, KVCache
+    from engine.gguf_file import GGUFFile
+
+
+@runtime_checkable
+class Architecture(Protocol):
+    """What the engine calls to run a model, the same for every backend."""
+
+    def read_config(self, gguf: GGUFFile) -> DecoderConfig:
+        """The hyper-parameters, with n_layers, n_kv_heads, head_dim, vocab_size and context_length."""
+        ...
+
+    def load_weights(
+        self,
+        gguf: GGUFFile,
+        config: DecoderConfig,
+        backend: Backend,
+        max_positions: int,
+        on_progress: Callable[[int, int, str], None] | None = None,
+        should_cancel: Callable[[], bool] | None = None,
+    ) -> DecoderWeights:
+        """Every tensor uploaded, reporting (done, total, message) until done == total."""
+        ...
+
+    def new_workspace(self, config: DecoderConfig, backend: Backend, max_chunk: int) -> Workspace:
+        """Buffers with .ids (1 + max_chunk,) int32 (the first position, then the token ids; .start and .tokens view
+        it), .logits (1, vocab) float32 and .max_chunk."""
+        ...
+
+    def forward(
+        self,
+        config: DecoderConfig,
+        weights: DecoderWeights,
+        ws: Workspace,
+        backend: Backend,
+        cache: KVCache,
+        n: int,
+        logits_out: Array | None = None,
+    ) -> Array:
+        """The logits of ws.tokens[:n] at positions ws.start[0]..: the last token's, or every token's in logits_out."""
+        ...
+
+
+ARCHITECTURES: dict[str, Architecture] = {
+    "gemma3": gemma3,
+    "llama": llama,
+    "qwen2": qwen3,
+    "qwen3": qwen3,
+    "qwen3moe": qwen3moe,
 }
 
 
-def architecture_module(name: str, model: str = "This model") -> ModuleType:
+def architecture_module(name: str, model: str = "This model") -> Architecture:
     """The module for a GGUF `general.architecture`, or EngineError saying which are supported."""
     module = ARCHITECTURES.get(name)
     if module is None:
@@ -34,4 +75,4 @@ def architecture_module(name: str, model: str = "This model") -> ModuleType:
             f"{model} uses the {name!r} architecture, which this engine cannot run. "
             f"Supported architectures: {', '.join(sorted(ARCHITECTURES))}. Pick a model of one of these."
         )
-    return importlib.import_module(module)
+    return module
