@@ -8,10 +8,10 @@ GPU, each step queued before the id it feeds comes back to the host), for a fixe
 
 The output is measured at the prompt's depth: --prompt 8192 times a prompt of 8,192 tokens, then output from
 position 8,192 on. --attention chunk sends prompt chunks through attention.cu's older chunk path instead of flash
-attention (the before of a comparison); --split-depth sets the depth from which decode attention splits by KV head.
+attention (the before of a comparison); --decode-attention forces decode attention's kernel.
 
 Usage: python bench/bench_gpu.py MODEL.gguf [MODEL.gguf ...] [--prompt 512] [--output 128] [--device cuda]
-       [--repeats 5] [--attention flash|chunk] [--split-depth N]
+       [--repeats 5] [--attention flash|chunk] [--decode-attention auto|cluster|split]
 """
 
 from __future__ import annotations
@@ -212,19 +212,19 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="timed prompt + output runs; the best is reported")
     parser.add_argument("--attention", choices=("flash", "chunk"), default="flash",
                         help="prompt-chunk attention on a GPU: flash attention, or attention.cu's older chunk path")
-    parser.add_argument("--split-depth", type=int, help="keys from which decode attention splits by KV head on a "
-                        "GPU (engine/kernels/cuda.py SPLIT_DEPTH by default; a huge number: never)")
+    parser.add_argument("--decode-attention", choices=("auto", "cluster", "split"), default="auto",
+                        help="decode attention's kernel on a GPU (cuda.decode_attention_form picks by default)")
     args = parser.parse_args()
     if args.device == "cuda":
         from engine.kernels import cuda
 
         if args.attention == "chunk":
             cuda.flash_attention_capable = lambda n_heads, n_kv: False
-        if args.split_depth is not None:
-            cuda.SPLIT_DEPTH = args.split_depth
+        if args.decode_attention != "auto":
+            cuda.decode_attention_form = lambda n_heads, n_kv, max_tokens: args.decode_attention
     for path in args.models:
         result = run(path, args.prompt, args.output, args.device, args.repeats)
-        print(json.dumps({**result, "prompt_attention": args.attention, "split_depth": args.split_depth}),
+        print(json.dumps({**result, "prompt_attention": args.attention, "decode_attention": args.decode_attention}),
               flush=True)
 
 
