@@ -140,3 +140,13 @@ def test_packed_weights_take_about_the_file_size():
         raw, _, _ = _weight(qtype, 64, 1024, rng)
         w = weights.load("w", raw, qtype, (64, 1024))
         assert w.planes is not None and w.dense is None and w.nbytes <= most * raw.nbytes, qtype
+
+
+@pytest.mark.parametrize("qtype", [*QUANTIZABLE, *RANDOM_BLOCKS, T.IQ4_XS, T.F16], ids=lambda t: t.name)
+def test_the_memory_check_counts_what_the_load_keeps(qtype):
+    """engine/model.py refuses a model from held_nbytes before loading it: it must be what load keeps."""
+    elements, nbytes = block_layout(qtype)
+    shape = (3, 6, 512)
+    raw = np.zeros(3 * 6 * 512 // elements * nbytes, np.uint8)
+    assert weights.held_nbytes(qtype, shape) == weights.load("w", raw, qtype, shape).nbytes
+    assert weights.held_nbytes(qtype, (512,)) == weights.load("v", raw[: 512 // elements * nbytes], qtype, (512,)).nbytes == 2048
