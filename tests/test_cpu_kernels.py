@@ -150,3 +150,16 @@ def test_the_memory_check_counts_what_the_load_keeps(qtype):
     raw = np.zeros(3 * 6 * 512 // elements * nbytes, np.uint8)
     assert weights.held_nbytes(qtype, shape) == weights.load("w", raw, qtype, shape).nbytes
     assert weights.held_nbytes(qtype, (512,)) == weights.load("v", raw[: 512 // elements * nbytes], qtype, (512,)).nbytes == 2048
+
+
+def test_an_activation_is_reused_only_for_the_same_values():
+    rng = np.random.default_rng(7)
+    raw, values, _ = _weight(T.Q8_0, 8, 64, rng)
+    w = weights.load("w", raw, T.Q8_0, (8, 64))
+    x = rng.standard_normal((1, 64)).astype(np.float32)
+    first, second = np.empty((1, 8), np.float32), np.empty((1, 8), np.float32)
+    weights.product(w, x, first)
+    x *= 2  # the same buffer, new values: the products must not reuse the layout made for the old ones
+    weights.product(w, x, second)
+    np.testing.assert_allclose(second, 2 * first, rtol=1e-6)
+    np.testing.assert_allclose(second[0], values @ x[0], rtol=1e-5)

@@ -102,3 +102,24 @@ def q6k_rows(lo, hi, d, xt, xh, out, r0, r1):
         for b in range(groups):
             acc += d[r, 0, b] * (s0[b] - _F(32) * xh[0, b]) + d[r, 1, b] * (s1[b] - _F(32) * xh[1, b])
         out[r - r0] = acc
+
+
+@njit(**_JIT)
+def activation_layout(x):
+    """x (k,) -> (x as (32, groups), each group's sum, each half group's sum as (2, groups))."""
+    groups = x.shape[0] // 32
+    xt = np.empty((32, groups), _F)
+    sums = np.empty(groups, _F)
+    halves = np.empty((2, groups), _F)
+    for b in range(groups):
+        a = _F(0)
+        c = _F(0)
+        for j in range(16):
+            xt[j, b] = x[b * 32 + j]
+            xt[j + 16, b] = x[b * 32 + 16 + j]
+            a += x[b * 32 + j]
+            c += x[b * 32 + 16 + j]
+        halves[0, b] = a
+        halves[1, b] = c
+        sums[b] = a + c
+    return xt, sums, halves

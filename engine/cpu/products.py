@@ -28,17 +28,19 @@ class Activation:
     xt: np.ndarray  # (32, groups): value j of group b at [j, b]
     sums: np.ndarray  # (groups,): each group's sum
     half_sums: np.ndarray  # (2, groups): each group's first and last 16 values summed (Q6_K)
+    source: np.ndarray  # the x it was made from (a copy)
 
 
 def activation(x: np.ndarray) -> Activation:
     """x: (k,) float32, k a multiple of 32."""
-    groups = x.reshape(-1, GROUP)
-    halves = groups.reshape(-1, 2, GROUP // 2).sum(axis=2, dtype=np.float32)
-    return Activation(np.ascontiguousarray(groups.T), halves.sum(axis=1), np.ascontiguousarray(halves.T))
+    return Activation(*kernels.activation_layout(x), source=x.copy())
+
+
+_CPUS = os.cpu_count() or 1
 
 
 def threads() -> int:
-    return os.cpu_count() or 1
+    return _CPUS
 
 
 def matvec(planes: Planes, act: Activation, out: np.ndarray) -> None:

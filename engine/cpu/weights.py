@@ -89,8 +89,16 @@ def rows_f32(w: CpuWeight, rows: np.ndarray | slice, out: np.ndarray) -> None:
 def activation_for(x: np.ndarray, *weights: CpuWeight) -> products.Activation | None:
     """The kernel layout of a one-token x, made once for several products on it (None when none needs it)."""
     if x.shape[0] == 1 and any(w.planes is not None for w in weights):
-        return products.activation(x[0])
+        return _activation(x[0])
     return None
+
+
+def _activation(x: np.ndarray) -> products.Activation:
+    """The last activation made on this thread when x has the same values (q, k and v read the same x)."""
+    last = getattr(_local, "activation", None)
+    if last is None or not np.array_equal(last.source, x):
+        last = _local.activation = products.activation(x)
+    return last
 
 
 def product(w: CpuWeight, x: np.ndarray, out: np.ndarray, start: int = 0, stop: int | None = None,
@@ -101,7 +109,7 @@ def product(w: CpuWeight, x: np.ndarray, out: np.ndarray, start: int = 0, stop: 
     if w.dense is not None:
         np.matmul(x, w.dense.reshape(-1, w.k)[start:stop].T, out=out)
     elif w.planes is not None and x.shape[0] == 1:
-        products.matvec(w.planes.slice_rows(start, stop), act or products.activation(x[0]), out[0])
+        products.matvec(w.planes.slice_rows(start, stop), act or _activation(x[0]), out[0])
     else:
         tile = max(1, TILE_ELEMENTS // w.k)
         scratch = _scratch(min(tile, stop - start) * w.k)
@@ -109,7 +117,10 @@ def product(w: CpuWeight, x: np.ndarray, out: np.ndarray, start: int = 0, stop: 
             b = min(a + tile, stop)
             values = scratch[: (b - a) * w.k].reshape(b - a, w.k)
             rows_f32(w, slice(a, b), values)
-            np.matmul(x, values.T, out=out[:, a - start : b - start])
+            if b - a == out.shape[1] and out.flags.c_contiguous:
+                np.matmul(x, values.T, out=out)
+            else:  # NumPy's matmul leaves BLAS for a strided out: a contiguous result, then a copy
+                out[:, a - start : b - start] = x @ values.T
 
 
 _local = threading.local()
