@@ -123,3 +123,52 @@ def activation_layout(x):
         halves[1, b] = c
         sums[b] = a + c
     return xt, sums, halves
+
+
+# Unpacking writes values for BLAS and for embeddings: exact float32 steps in ggml's order (no fastmath, so no
+# fused multiply-add), which keeps the values bit-identical to gguf's dequantizers.
+_EXACT = dict(_JIT, fastmath=False)
+
+
+@njit(**_EXACT)
+def nibble_unpack(lo, hi, d, m, rows, out):
+    groups = lo.shape[2]
+    five = hi.shape[1] > 0
+    for i in range(rows.shape[0]):
+        r = rows[i]
+        for b in range(groups):
+            for j in range(16):
+                v = lo[r, j, b]
+                a = _U8(v & _U8(15))
+                c = _U8(v >> _U8(4))
+                if five:
+                    shift = _U8(j & 7)
+                    a = _U8(a | _U8(_U8(_U8(hi[r, j >> 3, b] >> shift) & _U8(1)) << _U8(4)))
+                    c = _U8(c | _U8(_U8(_U8(hi[r, 2 + (j >> 3), b] >> shift) & _U8(1)) << _U8(4)))
+                out[i, b * 32 + j] = _F(a) * d[r, b] + m[r, b]
+                out[i, b * 32 + 16 + j] = _F(c) * d[r, b] + m[r, b]
+
+
+@njit(**_EXACT)
+def q8_unpack(q, d, rows, out):
+    groups = q.shape[2]
+    for i in range(rows.shape[0]):
+        r = rows[i]
+        for b in range(groups):
+            for j in range(32):
+                out[i, b * 32 + j] = _F(q[r, j, b]) * d[r, b]
+
+
+@njit(**_EXACT)
+def q6k_unpack(lo, hi, d, rows, out):
+    groups = lo.shape[2]
+    for i in range(rows.shape[0]):
+        r = rows[i]
+        for b in range(groups):
+            for j in range(16):
+                v = lo[r, j, b]
+                shift = _U8(2 * (j & 3))
+                a = _U8(_U8(v & _U8(15)) | _U8(_U8(_U8(hi[r, j >> 2, b] >> shift) & _U8(3)) << _U8(4)))
+                c = _U8(_U8(v >> _U8(4)) | _U8(_U8(_U8(hi[r, 4 + (j >> 2), b] >> shift) & _U8(3)) << _U8(4)))
+                out[i, b * 32 + j] = d[r, 0, b] * _F(np.int32(a) - np.int32(32))
+                out[i, b * 32 + 16 + j] = d[r, 1, b] * _F(np.int32(c) - np.int32(32))

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 from gguf import GGMLQuantizationType as T
 
+from engine.cpu import kernels
 from engine.quant_fields import bits_little, f16_field, split_bits
 from engine.quants import block_layout
 
@@ -84,34 +85,14 @@ def pack(raw: np.ndarray, qtype: T, rows: int, k: int) -> Planes:
 
 
 def unpack(planes: Planes, rows: np.ndarray | slice, out: np.ndarray) -> None:
-    """Write the float32 values of the selected rows into out (n, k)."""
-    lo, hi, d = planes.lo[rows], planes.hi[rows], planes.d[rows]
-    n, groups = lo.shape[0], lo.shape[-1]
-    view = out.reshape(n, GROUP, groups)  # value j of group b goes to out[r, b * 32 + j], reordered at the end
-    if planes.family == "q8":
-        np.multiply(lo, d[:, None, :], out=view, casting="unsafe")
+    """Write the float32 values of the selected rows into out (n, k), C-contiguous."""
+    picked = np.arange(planes.rows)[rows] if isinstance(rows, slice) else np.asarray(rows, np.int64)
+    if planes.family == "nibble":
+        kernels.nibble_unpack(planes.lo, planes.hi, planes.d, planes.m, picked, out)
+    elif planes.family == "q8":
+        kernels.q8_unpack(planes.lo, planes.d, picked, out)
     else:
-        q = np.concatenate((lo & np.uint8(15), lo >> np.uint8(4)), axis=1)
-        if planes.family == "q6k":
-            q |= bits_little_planes(hi, 2) << np.uint8(4)
-            values = (q.astype(np.int8) - np.int8(32)).astype(np.float32)
-            values[:, :16] *= d[:, 0, None, :]
-            values[:, 16:] *= d[:, 1, None, :]
-        else:
-            if hi.shape[1]:
-                q |= bits_little_planes(hi, 1) << np.uint8(4)
-            values = q * d[:, None, :]
-            values += planes.m[rows][:, None, :]
-        view[...] = values
-    out[...] = view.transpose(0, 2, 1).reshape(n, planes.k)
-
-
-def bits_little_planes(planes: np.ndarray, bits: int) -> np.ndarray:
-    """(n, bytes, groups) bit fields -> (n, bytes * 8 // bits, groups): field u of byte t is value t * per + u."""
-    per = 8 // bits
-    shifts = (np.arange(per, dtype=np.uint8) * np.uint8(bits))[None, None, :, None]
-    fields = (planes[:, :, None, :] >> shifts) & np.uint8((1 << bits) - 1)
-    return fields.reshape(planes.shape[0], planes.shape[1] * per, planes.shape[2])
+        kernels.q6k_unpack(planes.lo, planes.hi, planes.d, picked, out)
 
 
 def _group_minor(a: np.ndarray) -> np.ndarray:
