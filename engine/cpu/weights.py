@@ -22,6 +22,8 @@ from engine.cpu import layout, products
 TILE_ELEMENTS = 1 << 22
 
 _FLOAT_TYPES = frozenset({T.F32, T.F16, T.BF16})
+# Per thread: the prompt tile and the last one-token activation.
+_local = threading.local()
 
 
 @dataclass
@@ -121,9 +123,6 @@ def product(w: CpuWeight, x: np.ndarray, out: np.ndarray, start: int = 0, stop: 
                 np.matmul(x, values.T, out=out)
             else:  # NumPy's matmul leaves BLAS for a strided out: a contiguous result, then a copy
                 out[:, a - start : b - start] = x @ values.T
-
-
-_local = threading.local()
 
 
 def _scratch(elements: int) -> np.ndarray:
