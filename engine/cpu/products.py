@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.cpu import kernels
-from engine.cpu.layout import GROUP, Planes
+from engine.cpu.layout import Planes
 
 # Weights a product must read before it is split over threads.
 PARALLEL_MIN_WEIGHTS = 1 << 21
