@@ -70,9 +70,11 @@ def main() -> int:
     args = parser.parse_args()
 
     try:
+        rss_before = psutil.Process().memory_info().rss
         started = time.perf_counter()
         model = load_model(args.model, device=args.device, context_length=args.context)
         load_seconds = time.perf_counter() - started
+        rss_growth = psutil.Process().memory_info().rss - rss_before
     except EngineError as exc:
         print(json.dumps({"error": str(exc)}))
         return 1
@@ -96,6 +98,10 @@ def main() -> int:
             "output_tokens_per_second": round(result.output_tokens_per_second, 2),
             "load_seconds": round(load_seconds, 2),
             "weight_bytes": model.info.weight_bytes,
+            "file_bytes": args.model.stat().st_size,
+            # what loading added to the process (weights, caches, workspace; file pages the engine keeps mapped)
+            "rss_growth_after_load_bytes": rss_growth,
+            "threads": os.cpu_count(),
             "machine": machine,
         }), flush=True)
     model.close()

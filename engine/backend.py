@@ -75,8 +75,8 @@ class SamplingParams:
 
 
 class WeightHandle(Protocol):
-    """A weight tensor after `Backend.upload`. The backend decides how it is stored (quantized bytes on
-    the GPU, float32 on the CPU); callers only pass it back into ops."""
+    """A weight tensor after `Backend.upload`. The backend decides how it is stored (quantized on both;
+    float32 for float tensors and vectors on the CPU); callers only pass it back into ops."""
 
     name: str
     shape: tuple[int, ...]  # row-major logical shape, e.g. (m, k) for a matrix, (k,) for a norm weight

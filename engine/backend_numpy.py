@@ -1,13 +1,12 @@
-"""The CPU backend: weights dequantized to float32 at load, every op from engine/kernels/reference.py.
+"""The CPU backend: weights kept quantized (engine/cpu), the other ops from engine/kernels/reference.py.
 
-Meant for small models (the float32 copy of a 135M-parameter model is about 0.5 GB); matrix products go to
-the BLAS NumPy links against.
+One-token products run engine/cpu's kernels on the packed GGUF blocks; prompt chunks dequantize a few rows
+at a time and use the BLAS NumPy links against. A model takes about its file size in RAM.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
@@ -16,20 +15,10 @@ from threadpoolctl import threadpool_limits
 from engine import quants
 from engine.backend import KVCache, MemoryInUse, RopeTable, SamplingParams
 from engine.capabilities import CPU_KV_DTYPE
+from engine.cpu.weights import CpuWeight, activation_for, load, product, rows_f32
 from engine.errors import EngineError
 from engine.gguf_file import GGUFTensor
 from engine.kernels import reference
-
-
-@dataclass
-class NumpyWeight:
-    name: str
-    shape: tuple[int, ...]
-    data: np.ndarray  # float32, `shape`
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.data.nbytes)
 
 
 class NumpyBackend:
@@ -57,14 +46,14 @@ class NumpyBackend:
     def to_host(self, x: np.ndarray) -> np.ndarray:
         return np.array(x, copy=True)
 
-    def upload(self, tensor: GGUFTensor) -> NumpyWeight:
+    def upload(self, tensor: GGUFTensor) -> CpuWeight:
         try:
-            data = quants.dequantize(tensor.raw, tensor.qtype, tensor.shape)
+            weight = load(tensor.name, tensor.raw, tensor.qtype, tuple(tensor.shape))
         except quants.UnsupportedTensorType as exc:
             raise EngineError(f"Tensor {tensor.name} cannot be loaded: {exc}.") from None
         except quants.TensorSizeError as exc:
             raise EngineError(f"Tensor {tensor.name} is damaged ({exc}); download the model again.") from None
-        return self._hold(NumpyWeight(tensor.name, tuple(tensor.shape), np.ascontiguousarray(data, dtype=np.float32)))
+        return self._hold(weight)
 
     def rope_table(self, inv_freq: np.ndarray, max_positions: int, attn_factor: float = 1.0) -> RopeTable:
         return self._hold(RopeTable(*reference.rope_tables(inv_freq, max_positions, attn_factor)))
@@ -96,26 +85,49 @@ class NumpyBackend:
 
     # ---- ops ----
 
-    def embed(self, table: NumpyWeight, tokens: np.ndarray, out: np.ndarray, scale: float = 1.0) -> None:
-        reference.embed(table.data, tokens, out, scale)
+    def embed(self, table: CpuWeight, tokens: np.ndarray, out: np.ndarray, scale: float = 1.0) -> None:
+        rows_f32(table, tokens, out)
+        if scale != 1.0:
+            out *= np.float32(scale)
 
-    def rms_norm(self, x: np.ndarray, weight: NumpyWeight, eps: float, out: np.ndarray) -> None:
-        reference.rms_norm(x, weight.data, eps, out)
+    def rms_norm(self, x: np.ndarray, weight: CpuWeight, eps: float, out: np.ndarray) -> None:
+        reference.rms_norm(x, weight.dense, eps, out)
 
-    def add_rms_norm(self, x, residual, weight: NumpyWeight, eps: float, out) -> None:
-        reference.add_rms_norm(x, residual, weight.data, eps, out)
+    def add_rms_norm(self, x, residual, weight: CpuWeight, eps: float, out) -> None:
+        reference.add_rms_norm(x, residual, weight.dense, eps, out)
 
-    def linear(self, x, weight: NumpyWeight, out, bias: NumpyWeight | None = None) -> None:
-        reference.linear(x, weight.data, out, None if bias is None else bias.data)
+    def linear(self, x, weight: CpuWeight, out, bias: CpuWeight | None = None) -> None:
+        product(weight, x, out)
+        if bias is not None:
+            out += bias.dense
 
-    def gated_ffn(self, x, gate: NumpyWeight, up: NumpyWeight, out, scratch, activation: str = "silu") -> None:
-        reference.gated_ffn(x, gate.data, up.data, out, scratch, activation)
+    def gated_ffn(self, x, gate: CpuWeight, up: CpuWeight, out, scratch, activation: str = "silu") -> None:
+        act = activation_for(x, gate, up)
+        product(gate, x, out, act=act)
+        product(up, x, scratch, act=act)
+        reference.activate(out, activation)
+        out *= scratch
 
     def moe_route(self, router_logits, top_k: int, normalize: bool, weights_out, ids_out) -> None:
         reference.moe_route(router_logits, top_k, normalize, weights_out, ids_out)
 
-    def moe_ffn(self, x, gate_exps: NumpyWeight, up_exps: NumpyWeight, down_exps: NumpyWeight, ids, weights, out, scratch, activation: str = "silu") -> None:
-        reference.moe_ffn(x, gate_exps.data, up_exps.data, down_exps.data, ids, weights, out, scratch, activation)
+    def moe_ffn(self, x, gate_exps: CpuWeight, up_exps: CpuWeight, down_exps: CpuWeight, ids, weights, out, scratch, activation: str = "silu") -> None:
+        """One pass per expert some token chose, over the tokens that chose it (a token picks an expert once);
+        an expert's matrices are rows [e * f, (e + 1) * f) of the stacked weights. Temporaries as in the
+        reference: `scratch` (the GPU kernels' space) stays untouched."""
+        f, d = gate_exps.shape[1], down_exps.shape[1]
+        out[...] = 0
+        for expert in np.unique(ids):
+            rows, slots = np.nonzero(ids == expert)
+            xe = x[rows]
+            act = activation_for(xe, gate_exps, up_exps)
+            hidden, up, down = (np.empty((len(rows), n), np.float32) for n in (f, f, d))
+            product(gate_exps, xe, hidden, expert * f, (expert + 1) * f, act)
+            product(up_exps, xe, up, expert * f, (expert + 1) * f, act)
+            reference.activate(hidden, activation)
+            hidden *= up
+            product(down_exps, hidden, down, expert * d, (expert + 1) * d)
+            out[rows] += down * weights[rows, slots, None]
 
     def rope_attention(self, q, k, v, rope: RopeTable, style: str, cache: KVCache, layer: int, start, out,
                        scale: float, window: int = 0) -> None:

@@ -50,8 +50,8 @@ def profile() -> dict[str, Any]:
         "gpu_tensor_types": gpu_tensor_types(),
         "gpu_architectures": architectures(),
         "min_compute_capability": MIN_COMPUTE_CAPABILITY,
-        # The NumPy CPU path keeps float32 copies of the weights (engine/backend_numpy.py).
-        "cpu_weights_dequantized_to_f32": True,
+        # The CPU path keeps the quantized weights, about the file's size (engine/cpu/layout.py).
+        "cpu_weights_dequantized_to_f32": False,
         "kv_bytes_per_element_gpu": GPU_KV_DTYPE.itemsize,
         "kv_bytes_per_element_cpu": CPU_KV_DTYPE.itemsize,
         "prefill_chunk": MAX_PROMPT_CHUNK,

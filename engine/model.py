@@ -16,6 +16,7 @@ from engine.backend import Backend, MemoryInUse
 from engine.backend_numpy import NumpyBackend
 from engine.capabilities import DEFAULT_CONTEXT, MAX_PROMPT_CHUNK
 from engine.chat_template import ChatTemplate
+from engine.cpu.weights import held_nbytes
 from engine.errors import EngineError
 from engine.generate import GenerationResult, GenerationSettings, ModelState, generate, prefill, run_chunk
 from engine.gguf_file import GGUFFile
@@ -67,15 +68,16 @@ def select_backend(device: str) -> tuple[Backend, str]:
 
 
 def _check_cpu_memory(gguf: GGUFFile, backend: Backend) -> None:
-    # The CPU backend holds float32 copies of the weights: refuse early rather than swap or be killed.
+    # Refuse early rather than swap or be killed: the CPU backend keeps about the file's bytes (float tensors
+    # as float32).
     if backend.name != "numpy":
         return
-    needed = 4 * sum(int(np.prod(t.shape)) for t in gguf.tensors.values())
+    needed = sum(held_nbytes(t.qtype, tuple(t.shape)) for t in gguf.tensors.values())
     available = psutil.virtual_memory().available
     if needed > 0.9 * available:
         raise EngineError(
-            f"{gguf.path.name} needs about {needed / 2**30:.1f} GiB as float32 on the CPU, but only "
-            f"{available / 2**30:.1f} GiB of RAM is free. Use a smaller model or a machine with an NVIDIA GPU."
+            f"{gguf.path.name} needs about {needed / 2**30:.1f} GiB of RAM on the CPU, but only "
+            f"{available / 2**30:.1f} GiB is free. Use a smaller model or a machine with an NVIDIA GPU."
         )
 
 

@@ -38,11 +38,14 @@ _RAM_PER_VOCAB_TOKEN = 1400
 # The driver's host side in RAM is a typical figure, not measured against our engine.
 _CUDA_CONTEXT_BYTES = 610 * MIB
 _CUDA_HOST_BYTES = 300 * MIB
-# The NumPy CPU path is bound by reading its float32 weights once per token: about 10 GB/s on a 2-core EPYC
-# cloud machine, where decode runs on one BLAS thread (SmolLM2's 539 MB at 18-19 tokens/s, bench/bench_engine.py).
+# The CPU path is bound by reading its weights once per token. Float32 weights through BLAS: about 10 GB/s on a
+# 2-core EPYC cloud machine, decode on one BLAS thread (SmolLM2's 539 MB at 18-19 tokens/s, bench/bench_engine.py).
+# Quantized weights through engine/cpu's kernels: 4.3-4.6 GB/s of weight bytes for a 4096x14336 product on that
+# machine, 2 threads, while other work shared it (bench/results/2026-12-01_cpukern_*).
 # Below _MIN_CPU_TOKENS_PER_S an answer takes minutes, so such a model is not offered for the CPU even when it
 # fits in RAM.
-_CPU_DECODE_BYTES_PER_S = 10e9
+_CPU_F32_BYTES_PER_S = 10e9
+_CPU_QUANTIZED_BYTES_PER_S = 4.5e9
 _MIN_CPU_TOKENS_PER_S = 2.0
 # Tiny demo models answer fast but poorly; "speed" picks them only when nothing better fits.
 _MIN_USEFUL_QUALITY = 3.0
@@ -353,7 +356,8 @@ def cpu_bytes_read_per_token(model: CatalogModel, engine: EngineProfile) -> floa
 
 def cpu_tokens_per_second(model: CatalogModel, engine: EngineProfile) -> float:
     """Rough decode speed of the CPU path: memory-bound, one pass over the weights per token."""
-    return _CPU_DECODE_BYTES_PER_S / cpu_bytes_read_per_token(model, engine)
+    rate = _CPU_F32_BYTES_PER_S if engine.cpu_weights_dequantized_to_f32 else _CPU_QUANTIZED_BYTES_PER_S
+    return rate / cpu_bytes_read_per_token(model, engine)
 
 
 def _why_too_slow(model: CatalogModel, engine: EngineProfile, budget: _Budget) -> str:

@@ -110,12 +110,14 @@ def test_generation_stops_at_the_end_of_the_context(model):
     assert result.finish_reason == "length" and n + result.completion_tokens <= 256 + 1
 
 
-def test_info_and_memory(model):
+def test_info_and_memory(model, smollm2_gguf):
     info = model.info
     assert (info.architecture, info.backend, info.context_length, info.max_context_length) == ("llama", "numpy", 256, 8192)
     assert info.n_layers == 30 and info.vocab_size == 49152 and info.tensor_types["Q4_1"] == 210
     assert info.kv_cache_bytes == 2 * 30 * 3 * 256 * 64 * 4
-    assert info.weight_bytes > 134e6 * 4 and "CPU" in info.backend_reason
+    # The CPU keeps the weights quantized: about the file's size (float scales add a little), not 4 bytes a weight.
+    assert smollm2_gguf.stat().st_size < info.weight_bytes < 1.2 * smollm2_gguf.stat().st_size
+    assert "CPU" in info.backend_reason
     assert model.memory_in_use().host_bytes >= info.weight_bytes + info.kv_cache_bytes
 
 

@@ -49,11 +49,12 @@ def gated_ffn(
 ) -> None:
     np.matmul(x, gate.T, out=out)
     np.matmul(x, up.T, out=scratch)
-    _activate(out, activation)
+    activate(out, activation)
     out *= scratch
 
 
-def _activate(out: np.ndarray, activation: str) -> None:
+def activate(out: np.ndarray, activation: str) -> None:
+    """out = act(out) in place: "silu" or "gelu_tanh" (the gated FFNs' activations)."""
     if activation == "silu":
         # silu(g) = g * sigmoid(g) = g / (1 + exp(-g)); exp overflow to inf gives the right limit 0.
         with np.errstate(over="ignore"):
@@ -95,7 +96,7 @@ def moe_ffn(
         rows, slots = np.nonzero(ids == expert)
         xe = x[rows]
         hidden = xe @ gate_exps[expert].T
-        _activate(hidden, activation)
+        activate(hidden, activation)
         hidden *= xe @ up_exps[expert].T
         out[rows] += (hidden @ down_exps[expert].T) * weights[rows, slots, None]
 

@@ -1,0 +1,165 @@
+"""engine/cpu against gguf's own dequantizers: every packed type's product against a float64 product of
+`gguf.quants.dequantize`, the repacked rows bit-identical to it, and the prompt (tiled BLAS) path.
+
+Error bound. The kernels sum float32 terms d * q * x over a group's 32 values, scale by d, add the group's
+offset m times the sum of x, and sum the groups. Each term passes through at most 1 product rounding, 31
+additions in its group, 1 scaling, and one addition per group of the row (2 per group for Q6_K's two
+half-groups), plus the offset's own sum of 32 values and product. With u = 2**-24, any summation order gives
+|error| <= (2 G + 40) u T (first order), G the groups in a row and T the sum over the row of
+(|d q| + |m|) |x| <= (|w| + 2 |m|) |x|, where |m| is bounded from the block's own fp16 fields below.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+from gguf.quants import dequantize, quantize
+
+from engine.cpu import layout, products, weights
+from engine.quants import block_layout
+
+U = 2.0**-24
+QUANTIZABLE = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0]  # gguf.quants.quantize writes these
+RANDOM_BLOCKS = {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}  # byte offsets of their fp16 scales
+SHAPES = [(37, 512), (3, 4096), (129, 768)]  # rows not divisible by threads or vector widths
+CASES = [(t, shape) for t in (*QUANTIZABLE, *RANDOM_BLOCKS) for shape in SHAPES] + [(t, (5, 32)) for t in QUANTIZABLE]
+
+
+def _f16(blocks, offset):
+    return np.abs(blocks[:, offset : offset + 2].view("<f2").astype(np.float64)[:, 0])
+
+
+def _weight(qtype: T, rows: int, k: int, rng) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """GGUF bytes (rows, bytes), their float64 values (rows, k) and a bound of |offset| per value."""
+    elements, nbytes = block_layout(qtype)
+    if qtype in QUANTIZABLE:
+        raw = quantize(rng.standard_normal((rows, k)).astype(np.float32) * rng.uniform(0.1, 3), qtype)
+    else:
+        raw = rng.integers(0, 256, (rows, k // elements * nbytes), dtype=np.uint8)
+        scales = raw.reshape(-1, nbytes)
+        for offset in RANDOM_BLOCKS[qtype]:
+            scales[:, offset : offset + 2] = rng.uniform(1e-3, 2e-2, (scales.shape[0], 1)).astype("<f2").view(np.uint8)
+    blocks = raw.reshape(-1, nbytes)
+    offset = {
+        T.Q4_0: lambda: 8 * _f16(blocks, 0),
+        T.Q4_1: lambda: _f16(blocks, 2),
+        T.Q5_0: lambda: 16 * _f16(blocks, 0),
+        T.Q5_1: lambda: _f16(blocks, 2),
+        T.Q8_0: lambda: 0 * _f16(blocks, 0),
+        T.Q4_K: lambda: 63 * _f16(blocks, 2),  # dmin times a 6-bit min
+        T.Q5_K: lambda: 63 * _f16(blocks, 2),
+        T.Q6_K: lambda: 32 * 128 * _f16(blocks, 208),  # d times an int8 scale, times the -32 of the quants
+    }[qtype]()
+    offsets = np.repeat(offset, elements).reshape(rows, k)
+    return raw.reshape(rows, -1), dequantize(raw, qtype).astype(np.float64).reshape(rows, k), offsets
+
+
+def _check(got, values, offsets, x, groups_per_row):
+    """got (rows,) against values (rows, k) @ x (1, k)."""
+    want = values @ x[0].astype(np.float64)
+    terms = (np.abs(values) + 2 * offsets) @ np.abs(x[0].astype(np.float64))
+    bound = (2 * groups_per_row + 40) * U * terms
+    assert np.all(np.abs(got - want) <= bound), np.max(np.abs(got - want) / bound)
+
+
+@pytest.mark.parametrize(("qtype", "shape"), CASES, ids=lambda c: getattr(c, "name", str(c)))
+def test_matvec_matches_gguf_dequantize_then_float64_product(qtype, shape):
+    rows, k = shape
+    rng = np.random.default_rng(hash((qtype.name, shape)) % 2**32)
+    raw, values, offsets = _weight(qtype, rows, k, rng)
+    x = rng.standard_normal((1, k)).astype(np.float32)
+    planes = layout.pack(raw, qtype, rows, k)
+    out = np.full(rows, np.nan, np.float32)
+    products.matvec(planes, products.activation(x[0]), out)
+    _check(out, values, offsets, x, k // 32)
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q6_K], ids=lambda t: t.name)
+def test_rows_split_over_threads_give_the_same_product(qtype, monkeypatch):
+    rng = np.random.default_rng(3)
+    raw, values, offsets = _weight(qtype, 101, 512, rng)
+    x = rng.standard_normal((1, 512)).astype(np.float32)
+    planes = layout.pack(raw, qtype, 101, 512)
+    act = products.activation(x[0])
+    whole = np.empty(101, np.float32)
+    products.matvec(planes, act, whole)
+    monkeypatch.setattr(products, "PARALLEL_MIN_WEIGHTS", 1)
+    monkeypatch.setattr(products, "threads", lambda: 3)
+    split = np.full(101, np.nan, np.float32)
+    products.matvec(planes, act, split)
+    np.testing.assert_array_equal(split, whole)  # the same kernel on each row, whichever thread runs it
+    _check(split, values, offsets, x, 16)
+
+
+@pytest.mark.parametrize("qtype", [*QUANTIZABLE, *RANDOM_BLOCKS], ids=lambda t: t.name)
+def test_repacked_rows_are_bit_identical_to_gguf(qtype):
+    rng = np.random.default_rng(4)
+    raw, values, _ = _weight(qtype, 9, 512, rng)
+    planes = layout.pack(raw, qtype, 9, 512)
+    out = np.empty((9, 512), np.float32)
+    layout.unpack(planes, slice(0, 9), out)
+    np.testing.assert_array_equal(out, values.astype(np.float32))
+    picked = np.array([7, 0, 7, 3])
+    gathered = np.empty((4, 512), np.float32)
+    layout.unpack(planes, picked, gathered)
+    np.testing.assert_array_equal(gathered, values[picked].astype(np.float32))
+
+
+UNPACKED_SCALES = {T.IQ4_XS: (0,), T.Q2_K: (80, 82)}  # types without a kernel, and the byte offset of their fp16 scale
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q8_0, *UNPACKED_SCALES], ids=lambda t: t.name)
+def test_prompt_products_over_row_tiles_and_row_ranges(qtype, monkeypatch):
+    """n > 1 tokens, and every type without a kernel (kept as GGUF bytes), go through dequantized tiles."""
+    monkeypatch.setattr(weights, "TILE_ELEMENTS", 3 * 512)  # 3 rows a tile: tiles that do not divide the rows
+    rng = np.random.default_rng(5)
+    rows, k = 20, 512
+    if qtype in UNPACKED_SCALES:
+        elements, nbytes = block_layout(qtype)
+        raw = rng.integers(0, 256, (rows, k // elements * nbytes), dtype=np.uint8)
+        for at in UNPACKED_SCALES[qtype]:
+            raw.reshape(-1, nbytes)[:, at : at + 2] = rng.uniform(1e-3, 1e-2, (rows * k // elements, 1)).astype("<f2").view(np.uint8)
+        values = dequantize(raw, qtype).astype(np.float64).reshape(rows, k)
+    else:
+        raw, values, _ = _weight(qtype, rows, k, rng)
+    w = weights.load("w", raw, qtype, (2, 10, k))  # stacked like two experts
+    assert (w.planes is not None) == (qtype in layout.PACKED_TYPES)
+    for n in (1, 4):
+        x = rng.standard_normal((n, k)).astype(np.float32)
+        out = np.full((n, 7), np.nan, np.float32)
+        weights.product(w, x, out, 11, 18)
+        want = x.astype(np.float64) @ values[11:18].T
+        # float32 rows exact, then a float32 product of k terms in any order: (k - 1) u times the sum of |terms|
+        assert np.all(np.abs(out - want) <= k * U * (np.abs(x) @ np.abs(values[11:18]).T))
+
+
+def test_packed_weights_take_about_the_file_size():
+    rng = np.random.default_rng(6)
+    for qtype, most in [(T.Q4_0, 1.34), (T.Q4_1, 1.21), (T.Q8_0, 1.06), (T.Q4_K, 1.34), (T.Q6_K, 1.22)]:
+        raw, _, _ = _weight(qtype, 64, 1024, rng)
+        w = weights.load("w", raw, qtype, (64, 1024))
+        assert w.planes is not None and w.dense is None and w.nbytes <= most * raw.nbytes, qtype
+
+
+@pytest.mark.parametrize("qtype", [*QUANTIZABLE, *RANDOM_BLOCKS, T.IQ4_XS, T.F16], ids=lambda t: t.name)
+def test_the_memory_check_counts_what_the_load_keeps(qtype):
+    """engine/model.py refuses a model from held_nbytes before loading it: it must be what load keeps."""
+    elements, nbytes = block_layout(qtype)
+    shape = (3, 6, 512)
+    raw = np.zeros(3 * 6 * 512 // elements * nbytes, np.uint8)
+    assert weights.held_nbytes(qtype, shape) == weights.load("w", raw, qtype, shape).nbytes
+    assert weights.held_nbytes(qtype, (512,)) == weights.load("v", raw[: 512 // elements * nbytes], qtype, (512,)).nbytes == 2048
+
+
+def test_an_activation_is_reused_only_for_the_same_values():
+    rng = np.random.default_rng(7)
+    raw, values, _ = _weight(T.Q8_0, 8, 64, rng)
+    w = weights.load("w", raw, T.Q8_0, (8, 64))
+    x = rng.standard_normal((1, 64)).astype(np.float32)
+    first, second = np.empty((1, 8), np.float32), np.empty((1, 8), np.float32)
+    weights.product(w, x, first)
+    x *= 2  # the same buffer, new values: the products must not reuse the layout made for the old ones
+    weights.product(w, x, second)
+    np.testing.assert_allclose(second, 2 * first, rtol=1e-6)
+    np.testing.assert_allclose(second[0], values @ x[0], rtol=1e-5)
