@@ -12,7 +12,7 @@ import numpy as np
 
 from engine.backend import Backend, KVCache, SamplingParams
 from engine.errors import DamagedModel, EngineError
-from engine.kv_cache import CachedTokens
+from engine.kv_cache import CachedTokens, RecurrentCache
 from engine.sampler import Sampler
 from engine.tokenizer import Tokenizer
 
@@ -56,7 +56,7 @@ class ModelState:
     config: Any
     weights: Any
     workspace: Any
-    cache: KVCache
+    cache: KVCache | RecurrentCache
     backend: Backend
     cached: CachedTokens
     decode_step: Callable[[], None]  # forward of ws.tokens[:1] at ws.start, possibly a replayed CUDA graph
@@ -75,6 +75,9 @@ def prefill(state: ModelState, prompt: list[int], should_stop: Callable[[], bool
     tokens reused), or (None, reused) when should_stop asked to stop between chunks."""
     check_fits(state, len(prompt))
     reused = state.cached.reusable_prefix(prompt)
+    recurrent = isinstance(state.cache, RecurrentCache)
+    if recurrent:
+        reused = state.cache.rewind(reused, len(state.cached))
     state.cached.keep(reused)
     chunk = state.workspace.max_chunk
     logits = None
@@ -84,6 +87,8 @@ def prefill(state: ModelState, prompt: list[int], should_stop: Callable[[], bool
         tokens = prompt[begin : begin + chunk]
         logits = run_chunk(state, tokens, begin)
         state.cached.append(tokens)
+    if recurrent:
+        state.cache.save(len(prompt))
     return logits[0], reused
 
 

@@ -8,6 +8,9 @@ An architecture module provides plain functions (no layer classes), the same for
                                                  then the token ids; .start and .tokens view it), .logits (1, vocab)
                                                  float32 and .max_chunk
     forward(config, weights, workspace, backend, cache, n, logits_out=None) -> logits
+
+and optionally new_cache(config, backend, max_tokens) -> cache, for models whose state is more than a KVCache
+(engine.kv_cache.RecurrentCache); without it the loader allocates a KVCache for every layer.
 """
 
 from __future__ import annotations
@@ -23,6 +26,9 @@ ARCHITECTURES = {
     "qwen2": "engine.arch.qwen3",
     "qwen3": "engine.arch.qwen3",
     "qwen3moe": "engine.arch.qwen3moe",
+    "qwen35": "engine.arch.qwen35",
+    "qwen35moe": "engine.arch.qwen35",
+    "qwen3next": "engine.arch.qwen35",
 }
 
 

@@ -1,0 +1,274 @@
+"""Qwen3.5 / 3.6 / 3.8 (qwen35 dense, qwen35moe) and Qwen3-Next (qwen3next) as backend calls. qwen3next has the
+same layers as qwen35moe; only its DeltaNet tensors are laid out differently (engine/arch/deltanet.py reads both).
+
+Layer i is a Gated DeltaNet layer (engine/arch/deltanet.py) unless (i + 1) % full_attention_interval == 0, when it
+is gated full attention: one projection gives the query, a per-head output gate, keys and values -> per-head
+RMSNorm of Q and K -> rotary on the first rope.dimension_count dims of each head, halves ('neox') -> grouped-query
+attention over the KV cache, which only these layers have -> times sigmoid(gate) -> output projection. Either
+mixer is followed by the residual add fused with `post_attention_norm` and the FFN: SwiGLU in dense files, in MoE
+files routed experts (softmax, top-k, renormalized) plus a shared expert scaled by sigmoid(ffn_gate_inp_shexp . h).
+
+The files store every norm weight + 1 (the models scale by 1 + weight) except `ssm_norm`, so they are plain
+RMSNorm weights here. Text positions are the same on MRoPE's three axes, so the rotary is the ordinary one and
+`rope.dimension_sections` does not matter. MTP layers (`nextn_predict_layers`, after the others) are not run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from engine.arch import common, deltanet, qwen3, qwen3moe
+from engine.arch.common import TransformerConfig, Workspace, WeightLoader, concat_rows, hparam, read_transformer_fields
+from engine.backend import ROPE_NEOX, Backend, RopeTable, WeightHandle
+from engine.errors import EngineError
+from engine.gguf_file import GGUFFile
+from engine.kv_cache import RecurrentCache
+
+__all__ = ["read_config", "load_weights", "new_workspace", "new_cache", "forward"]
+
+
+@dataclass(frozen=True)
+class HybridConfig(TransformerConfig):
+    full_attention_interval: int
+    conv_kernel: int
+    n_k_heads: int  # DeltaNet query/key heads
+    n_v_heads: int  # DeltaNet value heads (and state heads)
+    head_k_dim: int
+    head_v_dim: int
+    tiled: bool  # value head h reads key head h % n_k_heads (qwen35 files), else h // (n_v / n_k) (qwen3next)
+    n_experts: int  # 0 in dense files
+    top_k: int
+    expert_ffn: int
+    shared_ffn: int
+    normalize_weights: bool = True
+
+    def recurrent(self, i: int) -> bool:
+        return (i + 1) % self.full_attention_interval != 0
+
+    @property
+    def n_recurrent(self) -> int:
+        return sum(map(self.recurrent, range(self.n_layers)))
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.n_k_heads * self.head_k_dim + self.n_v_heads * self.head_v_dim
+
+
+def read_config(gguf: GGUFFile) -> HybridConfig:
+    fields = read_transformer_fields(gguf, rope_base=10000000.0, rms_eps=1e-6, ffn=0)
+    fields["n_layers"] -= int(hparam(gguf, "nextn_predict_layers", 0))
+    n_v = int(hparam(gguf, "ssm.time_step_rank"))
+    n_k = int(hparam(gguf, "ssm.group_count"))
+    n_experts = int(hparam(gguf, "expert_count", 0))
+    top_k = int(hparam(gguf, "expert_used_count", 0))
+    if n_k <= 0 or n_v % n_k or (n_experts and not 0 < top_k <= n_experts):
+        raise EngineError(
+            f"The model file {gguf.path.name} has inconsistent recurrent-layer or expert counts; the file is damaged "
+            "or not a supported model."
+        )
+    return HybridConfig(
+        **fields,
+        full_attention_interval=int(hparam(gguf, "full_attention_interval", 4)),
+        conv_kernel=int(hparam(gguf, "ssm.conv_kernel")),
+        n_k_heads=n_k,
+        n_v_heads=n_v,
+        head_k_dim=int(hparam(gguf, "ssm.state_size")),
+        head_v_dim=int(hparam(gguf, "ssm.inner_size")) // n_v,
+        tiled=gguf.architecture != "qwen3next",
+        n_experts=n_experts,
+        top_k=top_k,
+        expert_ffn=int(hparam(gguf, "expert_feed_forward_length", 0)),
+        shared_ffn=int(hparam(gguf, "expert_shared_feed_forward_length", 0)),
+    )
+
+
+@dataclass
+class GatedAttention:
+    qkv: WeightHandle  # rows: the query of every head, then every head's output gate, then keys, then values
+    q_norm: WeightHandle
+    k_norm: WeightHandle
+    out: WeightHandle
+
+
+@dataclass
+class HybridLayer:
+    attn_norm: WeightHandle
+    mixer: Any  # GatedAttention or deltanet.DeltaNetWeights
+    post_norm: WeightHandle
+    ffn: list[WeightHandle]  # dense: gate, up, down
+    router: WeightHandle | None = None  # MoE, as qwen3moe.moe_block reads them
+    gate_exps: WeightHandle | None = None
+    up_exps: WeightHandle | None = None
+    down_exps: WeightHandle | None = None
+    shared_gate: WeightHandle | None = None  # (1, hidden)
+
+
+@dataclass
+class HybridWeights:
+    token_embd: WeightHandle
+    layers: list[HybridLayer]
+    output_norm: WeightHandle
+    output: WeightHandle
+    rope: RopeTable
+
+
+def load_attention(gguf: GGUFFile, config: HybridConfig, loader: WeightLoader, i: int) -> GatedAttention:
+    def t(name: str):
+        return gguf.tensor(f"blk.{i}.{name}")
+
+    # The file interleaves each head's query and gate rows; splitting them apart keeps each a contiguous block.
+    q = t("attn_q.weight")
+    heads = np.arange(q.shape[0]).reshape(config.n_heads, 2, config.head_dim)
+    query = deltanet.select_rows(f"blk.{i}.attn_q.weight", q, heads[:, 0].reshape(-1))
+    gate = deltanet.select_rows(f"blk.{i}.attn_q_gate.weight", q, heads[:, 1].reshape(-1))
+    parts = [query, gate, t("attn_k.weight"), t("attn_v.weight")]
+    fused = concat_rows(f"blk.{i}.attn_qkv.weight", parts)
+    if fused is None:
+        raise EngineError(
+            f"The model file {gguf.path.name} stores layer {i}'s query, key and value projections in different "
+            "types, which this engine does not support yet. Pick another quantization of the model."
+        )
+    return GatedAttention(
+        qkv=loader.upload(fused, counts_as=3),
+        q_norm=loader.upload(t("attn_q_norm.weight")),
+        k_norm=loader.upload(t("attn_k_norm.weight")),
+        out=loader.upload(t("attn_output.weight")),
+    )
+
+
+def _load_layer(gguf: GGUFFile, config: HybridConfig, loader: WeightLoader, i: int) -> HybridLayer:
+    def up(name: str) -> WeightHandle:
+        return loader.upload(gguf.tensor(f"blk.{i}.{name}.weight"))
+
+    attn_norm = up("attn_norm")
+    if config.recurrent(i):
+        mixer = deltanet.load_mixer(gguf, loader, i, config.n_k_heads)
+    else:
+        mixer = load_attention(gguf, config, loader, i)
+    post_norm = up("post_attention_norm")
+    if f"blk.{i}.ffn_gate_inp.weight" not in gguf.tensors:
+        return HybridLayer(attn_norm, mixer, post_norm, [up(f"ffn_{x}") for x in ("gate", "up", "down")])
+    experts = [up(x) for x in ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")]
+    shared = [up(f"ffn_{x}_shexp") for x in ("gate", "up", "down")]
+    return HybridLayer(attn_norm, mixer, post_norm, shared, *experts, shared_gate=up("ffn_gate_inp_shexp"))
+
+
+def load_weights(
+    gguf: GGUFFile,
+    config: HybridConfig,
+    backend: Backend,
+    max_positions: int,
+    on_progress: Callable[[int, int, str], None] | None = None,
+    should_cancel: Callable[[], bool] | None = None,
+) -> HybridWeights:
+    mtp = tuple(f"blk.{i}." for i in range(config.n_layers, int(hparam(gguf, "block_count"))))
+    total = sum(not name.startswith(mtp) for name in gguf.tensors) if mtp else len(gguf.tensors)
+    loader = WeightLoader(backend, total, on_progress, should_cancel)
+    layers = [_load_layer(gguf, config, loader, i) for i in range(config.n_layers)]
+    shared = qwen3.load_shared(gguf, config, backend, loader, layers, max_positions)
+    return HybridWeights(shared.token_embd, layers, shared.output_norm, shared.output, shared.rope)
+
+
+def new_workspace(config: HybridConfig, backend: Backend, max_chunk: int) -> Workspace:
+    ws = common.new_workspace(config, backend, max_chunk, ffn_width=config.shared_ffn if config.n_experts else config.ffn)
+    e = backend.empty
+    value_dim = config.n_v_heads * config.head_v_dim
+    ws.extra = {
+        "proj": e((max_chunk, max(2 * config.q_dim + 2 * config.kv_dim, config.conv_dim + value_dim + 2 * config.n_v_heads))),
+        "mixed": e((max_chunk, config.conv_dim)),
+        "core": e((max_chunk, value_dim)),
+    }
+    if config.n_experts:
+        ws.extra |= {
+            "router_logits": e((max_chunk, config.n_experts)),
+            "expert_weights": e((max_chunk, config.top_k)),
+            "expert_ids": e((max_chunk, config.top_k), np.int32),
+            "expert_scratch": e((max_chunk, config.top_k, 2 * config.expert_ffn)),
+            "shared_out": e((max_chunk, config.hidden)),
+            "shared_gate": e((max_chunk, 1)),
+        }
+    return ws
+
+
+def new_cache(config: HybridConfig, backend: Backend, max_tokens: int) -> RecurrentCache:
+    """KV entries for the attention layers only, and the recurrent layers' states (see RecurrentCache)."""
+    n_attention = config.n_layers - config.n_recurrent
+    conv = (config.n_recurrent, config.conv_kernel - 1, config.conv_dim)
+    ssm = (config.n_recurrent, config.n_v_heads, config.head_k_dim, config.head_v_dim)
+    cache = RecurrentCache(
+        kv=backend.kv_cache(n_attention, config.n_kv_heads, config.head_dim, max_tokens),
+        conv=backend.empty(conv), ssm=backend.empty(ssm), saved_conv=backend.empty(conv), saved_ssm=backend.empty(ssm),
+    )
+    cache.reset()
+    return cache
+
+
+def attention_block(config: HybridConfig, a: GatedAttention, rope: RopeTable, ws: Workspace, backend: Backend,
+                    cache: RecurrentCache, slot: int, n: int) -> None:
+    c = config
+    proj = ws.extra["proj"][:n]
+    backend.linear(ws.h[:n], a.qkv, proj[:, : 2 * c.q_dim + 2 * c.kv_dim])
+    q = proj[:, : c.q_dim].reshape(n, c.n_heads, c.head_dim)
+    gate = proj[:, c.q_dim : 2 * c.q_dim]
+    k = proj[:, 2 * c.q_dim : 2 * c.q_dim + c.kv_dim].reshape(n, c.n_kv_heads, c.head_dim)
+    v = proj[:, 2 * c.q_dim + c.kv_dim : 2 * c.q_dim + 2 * c.kv_dim].reshape(n, c.n_kv_heads, c.head_dim)
+    backend.rms_norm(q, a.q_norm, c.rms_eps, q)
+    backend.rms_norm(k, a.k_norm, c.rms_eps, k)
+    attn = ws.attn[:n]
+    backend.rope_attention(q, k, v, rope, ROPE_NEOX, cache.kv, slot, ws.start, attn, 1.0 / float(np.sqrt(c.head_dim)))
+    backend.sigmoid_gate(attn, gate, attn)
+    backend.linear(attn, a.out, ws.delta[:n])
+
+
+def ffn_block(config: HybridConfig, layer: HybridLayer, ws: Workspace, backend: Backend, n: int) -> None:
+    h = ws.h[:n]
+    gate, up, down = layer.ffn
+    if layer.router is None:
+        backend.gated_ffn(h, gate, up, ws.ffn[:n], ws.ffn_scratch[:n], "silu")
+        backend.linear(ws.ffn[:n], down, ws.delta[:n])
+        return
+    qwen3moe.moe_block(config, layer, ws, backend, n)
+    backend.gated_ffn(h, gate, up, ws.ffn[:n], ws.ffn_scratch[:n], "silu")
+    shared_out, shared_gate = ws.extra["shared_out"][:n], ws.extra["shared_gate"][:n]
+    backend.linear(ws.ffn[:n], down, shared_out)
+    backend.linear(h, layer.shared_gate, shared_gate)
+    backend.sigmoid_gate(shared_out, shared_gate, ws.delta[:n], accumulate=True)
+
+
+def forward(config: HybridConfig, weights: HybridWeights, ws: Workspace, backend: Backend, cache: RecurrentCache, n: int,
+            logits_out=None):
+    """Run the n tokens in ws.tokens[:n] at positions ws.start[0] + i, filling the KV cache of the attention layers
+    and advancing the recurrent states (from zeros when the chunk starts at position 0). Returns the last token's
+    logits (ws.logits), or every token's logits in logits_out (n, vocab) when given."""
+    c = config
+    if int(backend.to_host(ws.start)[0]) == 0:
+        cache.reset()
+    x, h, delta = ws.x[:n], ws.h[:n], ws.delta[:n]
+    e = ws.extra
+    backend.embed(weights.token_embd, ws.tokens[:n], x)
+    recurrent = attention = 0
+    for i, layer in enumerate(weights.layers):
+        if i == 0:
+            backend.rms_norm(x, layer.attn_norm, c.rms_eps, h)
+        else:
+            backend.add_rms_norm(delta, x, layer.attn_norm, c.rms_eps, h)
+        if c.recurrent(i):
+            deltanet.mixer_block(
+                layer.mixer, h, e["proj"][:n], e["mixed"][:n], e["core"][:n], delta, cache.conv[recurrent],
+                cache.ssm[recurrent], backend, c.n_k_heads, c.tiled, c.rms_eps,
+            )
+            recurrent += 1
+        else:
+            attention_block(c, layer.mixer, weights.rope, ws, backend, cache, attention, n)
+            attention += 1
+        backend.add_rms_norm(delta, x, layer.post_norm, c.rms_eps, h)
+        ffn_block(c, layer, ws, backend, n)
+    backend.add_rms_norm(delta, x, weights.output_norm, c.rms_eps, h)
+    if logits_out is None:
+        backend.linear(h[n - 1 : n], weights.output, ws.logits)
+        return ws.logits
+    backend.linear(h, weights.output, logits_out)
+    return logits_out
