@@ -1,0 +1,177 @@
+"""The hybrid families' parts on their own: the Gated DeltaNet references against transformers' torch ones and
+against each other, the recurrent state's snapshot rules, the tests' converter against gguf-py's tensor names,
+the `qwen35` pre-tokenizer against transformers' Qwen3.5 tokenizer, and the CPU-only choice of backend."""
+
+from __future__ import annotations
+
+import re
+
+import gguf
+import numpy as np
+import pytest
+
+from engine.capabilities import profile
+from engine.errors import EngineError
+from engine.kernels import reference
+from engine.kv_cache import RecurrentCache
+from engine.model import select_backend
+
+rng = np.random.default_rng(0)
+
+
+def _random_rule_inputs(n: int, heads: int = 4, dk: int = 16, dv: int = 8):
+    q = rng.standard_normal((n, heads, dk)).astype(np.float32)
+    k = rng.standard_normal((n, heads, dk)).astype(np.float32)
+    q /= np.linalg.norm(q, axis=-1, keepdims=True)
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    v = rng.standard_normal((n, heads, dv)).astype(np.float32)
+    beta = rng.uniform(0, 1, (n, heads)).astype(np.float32)
+    g = -rng.uniform(0, 1.5, (n, heads)).astype(np.float32)
+    state = rng.standard_normal((heads, dk, dv)).astype(np.float32)
+    return q, k, v, beta, g, state
+
+
+def _relative(a, b) -> float:
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+@pytest.mark.parametrize("n", [1, 5, 64, 150])
+def test_chunked_and_recurrent_forms_agree(n):
+    q, k, v, beta, g, state = _random_rule_inputs(n)
+    s_rec, s_chunk = state.copy(), state.copy()
+    o_rec, o_chunk = np.empty_like(v), np.empty_like(v)
+    reference.delta_rule_recurrent(q, k, v, beta, g, s_rec, o_rec)
+    reference.delta_rule_chunked(q, k, v, beta, g, s_chunk, o_chunk)
+    assert _relative(o_chunk, o_rec) < 1e-5
+    assert _relative(s_chunk, s_rec) < 1e-5
+
+
+def test_delta_rule_matches_transformers():
+    import torch
+    from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
+
+    q, k, v, beta, g, state = _random_rule_inputs(150)
+    theirs, their_state = torch_chunk_gated_delta_rule(
+        *(torch.from_numpy(x)[None] for x in (q, k, v, g, beta)),
+        initial_state=torch.from_numpy(state)[None], output_final_state=True, use_qk_l2norm_in_kernel=False,
+    )
+    # transformers scales q by dk^-1/2 inside; the reference takes it scaled (delta_rule_inputs does that).
+    out = np.empty_like(v)
+    reference.delta_rule_chunked(q * q.shape[-1] ** -0.5, k, v, beta, g, state, out)
+    assert _relative(out, theirs[0].numpy()) < 1e-5
+    assert _relative(state, their_state[0].numpy()) < 1e-5
+
+
+def test_causal_conv_continues_from_its_state():
+    import torch
+
+    channels, kernel, n = 12, 4, 10
+    x = rng.standard_normal((n, channels)).astype(np.float32)
+    weight = rng.standard_normal((channels, kernel)).astype(np.float32)
+    conv = torch.nn.functional.conv1d(torch.from_numpy(x.T)[None], torch.from_numpy(weight)[:, None], padding=kernel - 1,
+                                      groups=channels)[0, :, :n]
+    expected = torch.nn.functional.silu(conv).numpy().T
+    # Two chunks (7 tokens, then 3) through the rolling state give the convolution of the whole sequence.
+    state = np.zeros((kernel - 1, channels), np.float32)
+    out = np.empty_like(x)
+    reference.causal_conv_silu(x[:7], weight, state, out[:7])
+    reference.causal_conv_silu(x[7:], weight, state, out[7:])
+    assert _relative(out, expected) < 1e-5
+    assert np.array_equal(state, x[-3:])
+
+
+def test_gates_follow_the_file_conventions():
+    # ssm_a is stored as -exp(A_log); value head h reads key head h % n_k when tiled, h // (n_v / n_k) when not.
+    n_k, n_v, dk, dv = 2, 4, 4, 3
+    qkv = rng.standard_normal((1, 2 * n_k * dk + n_v * dv)).astype(np.float32)
+    ba = rng.standard_normal((1, 2 * n_v)).astype(np.float32)
+    dt_bias = rng.standard_normal(n_v).astype(np.float32)
+    a_log = rng.standard_normal(n_v).astype(np.float32)
+    _, k_tiled, _, beta, g = reference.delta_rule_inputs(qkv, ba, dt_bias, -np.exp(a_log), n_k, dk, tiled=True)
+    _, k_grouped, *_ = reference.delta_rule_inputs(qkv, ba, dt_bias, -np.exp(a_log), n_k, dk, tiled=False)
+    keys = qkv[0, n_k * dk : 2 * n_k * dk].reshape(n_k, dk)
+    keys = keys / np.linalg.norm(keys, axis=-1, keepdims=True)
+    assert np.allclose(k_tiled[0], keys[[0, 1, 0, 1]], atol=1e-6)
+    assert np.allclose(k_grouped[0], keys[[0, 0, 1, 1]], atol=1e-6)
+    assert np.allclose(beta[0], 1 / (1 + np.exp(-ba[0, :n_v])))
+    assert np.allclose(g[0], -np.exp(a_log) * np.log1p(np.exp(ba[0, n_v:] + dt_bias)), rtol=1e-5)
+
+
+def _cache() -> RecurrentCache:
+    shape_conv, shape_ssm = (2, 3, 5), (2, 2, 4, 4)
+    cache = RecurrentCache(kv=None, conv=np.zeros(shape_conv), ssm=np.zeros(shape_ssm), saved_conv=np.zeros(shape_conv),
+                           saved_ssm=np.zeros(shape_ssm))
+    return cache
+
+
+def test_recurrent_cache_reuses_the_live_state_the_snapshot_or_nothing():
+    cache = _cache()
+    cache.ssm[...] = 1
+    cache.save(10)  # the end of a prompt of 10 tokens
+    cache.ssm[...] = 2  # then 5 generated tokens: the live state stands for 15
+    assert cache.rewind(15, 15) == 15 and cache.ssm.max() == 2  # the whole conversation continues
+    assert cache.rewind(12, 15) == 10 and cache.ssm.max() == 1  # the reply changed: back to the prompt's end
+    assert cache.rewind(9, 10) == 0  # the prompt itself changed: nothing to reuse...
+    assert cache.saved_at is None  # ...and the snapshot no longer matches the tokens that follow
+    cache.save(4)
+    cache.reset()
+    assert cache.saved_at is None and cache.ssm.max() == 0 and cache.conv.max() == 0
+
+
+def test_converter_writes_llama_cpp_tensor_names(tmp_path, smollm2_gguf):
+    import torch
+
+    from gguf_convert import write_gguf
+    from test_engine_hybrid import _build
+
+    torch.manual_seed(0)
+    for arch in ("qwen35", "qwen35moe", "qwen3next"):
+        path = write_gguf(_build(arch), arch, tmp_path / f"{arch}.gguf", smollm2_gguf)
+        reader = gguf.GGUFReader(path)
+        model_arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == arch)
+        known = {gguf.TENSOR_NAMES[t] for t in gguf.MODEL_TENSORS[model_arch]}
+        for tensor in reader.tensors:
+            base = re.sub(r"^blk\.\d+\.", "blk.{bid}.", tensor.name.removesuffix(".weight").removesuffix(".bias"))
+            assert base in known, (arch, tensor.name)
+        names = {t.name for t in reader.tensors}
+        assert ("blk.0.ssm_ba.weight" in names) == (arch == "qwen3next")
+        assert ("blk.0.ssm_beta.weight" in names) == (arch != "qwen3next")
+        assert "blk.0.ssm_a" in names and "blk.3.attn_q.weight" in names and "blk.3.attn_qkv.weight" not in names
+        assert reader.fields[f"{arch}.full_attention_interval"].contents() == 4
+
+
+def test_qwen35_pre_tokenizer_matches_transformers(tmp_path, smollm2_gguf):
+    from gguf import GGUFReader, GGUFWriter
+    from transformers import Qwen3_5Tokenizer
+
+    from engine.gguf_file import GGUFFile
+    from engine.tokenizer import Tokenizer
+
+    # SmolLM2's vocabulary under Qwen3.5's pre-tokenizer name, against transformers' Qwen3.5 tokenizer on the same
+    # vocabulary: combining marks stay in their words, digits split one by one.
+    source = GGUFReader(smollm2_gguf)
+    writer = GGUFWriter(str(tmp_path / "qwen35-vocab.gguf"), "qwen35")
+    for name, field in source.fields.items():
+        if name.startswith("tokenizer.") and name != "tokenizer.ggml.pre":
+            kind = field.types[0]
+            sub = {"sub_type": field.types[-1]} if kind == gguf.GGUFValueType.ARRAY else {}
+            writer.add_key_value(name, field.contents(), kind, **sub)
+    writer.add_key_value("tokenizer.ggml.pre", "qwen35", gguf.GGUFValueType.STRING)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    ours = Tokenizer(GGUFFile(tmp_path / "qwen35-vocab.gguf"))
+    tokens = source.fields["tokenizer.ggml.tokens"].contents()
+    merges = [tuple(m.split(" ", 1)) for m in source.fields["tokenizer.ggml.merges"].contents()]
+    theirs = Qwen3_5Tokenizer(vocab={t: i for i, t in enumerate(tokens)}, merges=merges)
+    for text in ["x̃y and ẍ!̃ 2026 café", "def f(n):\n    return n+12345  # ok"]:
+        assert ours.encode(text) == theirs(text, add_special_tokens=False)["input_ids"], text
+
+
+def test_hybrids_run_on_the_cpu_only():
+    assert {"qwen35", "qwen35moe", "qwen3next"} <= profile()["supported_architectures"]
+    assert not {"qwen35", "qwen35moe", "qwen3next"} & profile()["gpu_architectures"]
+    backend, reason = select_backend("auto", "qwen35moe")
+    assert backend.name == "numpy" and "CPU only" in reason
+    with pytest.raises(EngineError, match="runs on the CPU only for now"):
+        select_backend("cuda", "qwen3next")
