@@ -111,6 +111,8 @@ def _metadata(writer: GGUFWriter, arch: str, config, context_length: int) -> Non
         values["expert_feed_forward_length"] = (config.moe_intermediate_size, u32)
     for key, (value, kind) in values.items():
         writer.add_key_value(f"{arch}.{key}", value, kind)
+    if arch in HYBRID_ARCHS:
+        writer.add_array(f"{arch}.attention.recurrent_layers", [t == "linear_attention" for t in config.layer_types])
     if arch in ("qwen35", "qwen35moe"):
         # Written by the converter even when the config names no MRoPE sections (text positions ignore them).
         writer.add_array(f"{arch}.rope.dimension_sections", [11, 11, 10, 0])
@@ -118,7 +120,6 @@ def _metadata(writer: GGUFWriter, arch: str, config, context_length: int) -> Non
 
 def _hybrid_metadata(arch: str, config, head_dim: int) -> dict:
     u32 = GGUFValueType.UINT32
-    interval = [t == "full_attention" for t in config.layer_types].index(True) + 1
     values = {
         "rope.dimension_count": (int(head_dim * config.rope_parameters.get("partial_rotary_factor", 0.25)), u32),
         "ssm.conv_kernel": (config.linear_conv_kernel_dim, u32),
@@ -126,7 +127,9 @@ def _hybrid_metadata(arch: str, config, head_dim: int) -> dict:
         "ssm.group_count": (config.linear_num_key_heads, u32),
         "ssm.time_step_rank": (config.linear_num_value_heads, u32),
         "ssm.inner_size": (config.linear_value_head_dim * config.linear_num_value_heads, u32),
-        "full_attention_interval": (interval, u32),
+        # What the model's config says, or 4: transformers folds it into layer_types, which the file has as
+        # attention.recurrent_layers.
+        "full_attention_interval": (getattr(config, "full_attention_interval", 4), u32),
     }
     if arch != "qwen35":
         values["expert_shared_feed_forward_length"] = (config.shared_expert_intermediate_size, u32)
@@ -205,6 +208,8 @@ def _hybrid_tensors(arch: str, config, state: dict[str, np.ndarray]):
     (channels, 4); qwen3next's fused in_proj_qkvz split into attn_qkv (all q heads, all k heads, all v heads) and
     attn_gate, its in_proj_ba kept as one `ssm_ba`; in qwen35/qwen35moe files the value heads tiled
     (_tiled_value_heads) in every tensor that has them, when there are more value than key heads."""
+    import torch
+
     n_k, n_v = config.linear_num_key_heads, config.linear_num_value_heads
     dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
     tile = arch != "qwen3next" and n_v != n_k
@@ -236,7 +241,7 @@ def _hybrid_tensors(arch: str, config, state: dict[str, np.ndarray]):
             elif part == "linear_attn.out_proj":
                 w = _tiled_value_heads(w, 1, n_k, dv)
         if part == "linear_attn.A_log":
-            w = -np.exp(w)
+            w = -torch.exp(torch.from_numpy(w)).numpy()  # torch's float32 exp, to the last bit of the converter's
         elif part == "linear_attn.conv1d":
             w = w.reshape(w.shape[0], -1)
         elif part.endswith("norm") and part != "linear_attn.norm":

@@ -4,12 +4,10 @@ its greedy continuation, and the same tokens for a two-turn chat as for one prom
 
 from __future__ import annotations
 
-import gguf
 import numpy as np
 import pytest
 
-from engine import load_model
-from engine.gguf_file import GGUFFile
+from engine import GenerationSettings, load_model
 from gguf_convert import write_gguf
 
 VOCAB = 49152  # SmolLM2's, whose tokenizer the tiny models borrow
@@ -23,8 +21,11 @@ def _build(arch: str):
     import transformers as tf
 
     # Two key heads and four value heads, so the order of the value heads (tiled or grouped) matters; eight layers,
-    # two of them attention (full_attention_interval 4).
+    # attention at layers 1 and 7, where full_attention_interval's default (4) would not put it.
+    layer_types = ["linear_attention"] * 8
+    layer_types[1] = layer_types[7] = "full_attention"
     common = dict(
+        layer_types=layer_types,
         vocab_size=VOCAB, hidden_size=64, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
         head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
         linear_value_head_dim=16, max_position_embeddings=512, initializer_range=0.1, tie_word_embeddings=False,
@@ -114,3 +115,35 @@ def test_greedy_continuation_matches_transformers(pair, prompt):
         assert reused == len(tokens) - 1 or len(tokens) == len(ids)
         tokens.append(int(np.argmax(logits)))
     assert tokens[len(ids):] == expected
+
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+GREEDY = GenerationSettings(temperature=0, max_tokens=GREEDY_TOKENS, ignore_eos=True)
+
+
+def _fresh_chat(ours, messages):
+    ours.prompt_logits([0, 0], all_positions=True)  # a run from position 0: the recurrent state starts over
+    result = ours.chat(messages, GREEDY)
+    assert result.cached_prompt_tokens == 0
+    return result
+
+
+def test_two_turn_chat_gives_the_tokens_of_one_prompt(pair):
+    _, _, ours, _ = pair
+    first = ours.chat(QUESTION, GREEDY)
+    follow_up = QUESTION + [{"role": "assistant", "content": first.text}, {"role": "user", "content": "And of Italy?"}]
+    second = ours.chat(follow_up, GREEDY)
+    # The second turn starts from a kept state: the live one (the reply came back token for token) or the copy
+    # at the end of the first prompt.
+    assert second.cached_prompt_tokens >= first.prompt_tokens
+    assert second.text == _fresh_chat(ours, follow_up).text
+
+
+def test_edited_reply_restarts_from_the_end_of_the_previous_prompt(pair):
+    _, _, ours, _ = pair
+    first = ours.chat(QUESTION, GREEDY)
+    edited = QUESTION + [{"role": "assistant", "content": "Lyon, I think."}, {"role": "user", "content": "Sure?"}]
+    second = ours.chat(edited, GREEDY)
+    # The recurrent state cannot be cut back inside the reply: it comes back from the snapshot at the prompt's end.
+    assert second.cached_prompt_tokens == first.prompt_tokens
+    assert second.text == _fresh_chat(ours, edited).text

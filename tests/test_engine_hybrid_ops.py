@@ -136,7 +136,7 @@ def test_converter_writes_llama_cpp_tensor_names(tmp_path, smollm2_gguf):
         names = {t.name for t in reader.tensors}
         assert ("blk.0.ssm_ba.weight" in names) == (arch == "qwen3next")
         assert ("blk.0.ssm_beta.weight" in names) == (arch != "qwen3next")
-        assert "blk.0.ssm_a" in names and "blk.3.attn_q.weight" in names and "blk.3.attn_qkv.weight" not in names
+        assert "blk.0.ssm_a" in names and "blk.1.attn_q.weight" in names and "blk.1.attn_qkv.weight" not in names
         assert reader.fields[f"{arch}.full_attention_interval"].contents() == 4
 
 
@@ -175,3 +175,22 @@ def test_hybrids_run_on_the_cpu_only():
     assert backend.name == "numpy" and "CPU only" in reason
     with pytest.raises(EngineError, match="runs on the CPU only for now"):
         select_backend("cuda", "qwen3next")
+
+
+def test_choose_model_says_the_catalogs_hybrids_run_on_the_cpu_only():
+    from setup_logic.catalog import load_catalog
+    from setup_logic.engine_profile import EngineProfile
+    from setup_logic.fit import Preferences, recommend
+    from test_fit import pc
+
+    engine = EngineProfile(**profile())
+    hybrids = {m.id for m in load_catalog() if m.architecture in ("qwen35", "qwen35moe", "qwen3next")}
+    assert hybrids
+    for report in (pc(64, 55, [("RTX 4090", 24, 23.5)]), pc(512, 500)):
+        rec = recommend(report, load_catalog(), Preferences(goal="code"), engine)
+        assert not hybrids & {r.id for r in rec.not_supported}  # the engine runs them now...
+        reasons = {r.id: r.reason for r in rec.not_fitting if r.id in hybrids}
+        assert reasons.keys() == hybrids  # ...but on the CPU path, in float32, far too slowly for their size
+        for reason in reasons.values():
+            assert "Too slow on this PC's CPU" in reason and "on an NVIDIA GPU it would run far faster" not in reason
+            assert report.gpus == [] or "the GPU path does not run the qwen35" in reason

@@ -1,8 +1,9 @@
 """Qwen3.5 / 3.6 / 3.8 (qwen35 dense, qwen35moe) and Qwen3-Next (qwen3next) as backend calls. qwen3next has the
 same layers as qwen35moe; only its DeltaNet tensors are laid out differently (engine/arch/deltanet.py reads both).
 
-Layer i is a Gated DeltaNet layer (engine/arch/deltanet.py) unless (i + 1) % full_attention_interval == 0, when it
-is gated full attention: one projection gives the query, a per-head output gate, keys and values -> per-head
+Layer i is a Gated DeltaNet layer (engine/arch/deltanet.py) where `attention.recurrent_layers` says so (files
+written before that key: unless (i + 1) % full_attention_interval == 0; the converter writes 4 there whatever the
+model's layer_types), otherwise gated full attention: one projection gives the query, a per-head output gate, keys and values -> per-head
 RMSNorm of Q and K -> rotary on the first rope.dimension_count dims of each head, halves ('neox') -> grouped-query
 attention over the KV cache, which only these layers have -> times sigmoid(gate) -> output projection. Either
 mixer is followed by the residual add fused with `post_attention_norm` and the FFN: SwiGLU in dense files, in MoE
@@ -32,7 +33,7 @@ __all__ = ["read_config", "load_weights", "new_workspace", "new_cache", "forward
 
 @dataclass(frozen=True)
 class HybridConfig(TransformerConfig):
-    full_attention_interval: int
+    recurrent_layers: tuple[bool, ...]  # per layer: Gated DeltaNet (True) or gated attention
     conv_kernel: int
     n_k_heads: int  # DeltaNet query/key heads
     n_v_heads: int  # DeltaNet value heads (and state heads)
@@ -46,7 +47,7 @@ class HybridConfig(TransformerConfig):
     normalize_weights: bool = True
 
     def recurrent(self, i: int) -> bool:
-        return (i + 1) % self.full_attention_interval != 0
+        return self.recurrent_layers[i]
 
     @property
     def n_recurrent(self) -> int:
@@ -69,9 +70,14 @@ def read_config(gguf: GGUFFile) -> HybridConfig:
             f"The model file {gguf.path.name} has inconsistent recurrent-layer or expert counts; the file is damaged "
             "or not a supported model."
         )
+    n_layers = fields["n_layers"]
+    recurrent = gguf.get(f"{gguf.architecture}.attention.recurrent_layers")
+    if recurrent is None:
+        interval = int(hparam(gguf, "full_attention_interval", 4))
+        recurrent = [(i + 1) % interval != 0 for i in range(n_layers)]
     return HybridConfig(
         **fields,
-        full_attention_interval=int(hparam(gguf, "full_attention_interval", 4)),
+        recurrent_layers=tuple(bool(r) for r in recurrent[:n_layers]),
         conv_kernel=int(hparam(gguf, "ssm.conv_kernel")),
         n_k_heads=n_k,
         n_v_heads=n_v,
