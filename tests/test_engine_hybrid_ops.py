@@ -194,3 +194,29 @@ def test_choose_model_says_the_catalogs_hybrids_run_on_the_cpu_only():
         for reason in reasons.values():
             assert "Too slow on this PC's CPU" in reason and "on an NVIDIA GPU it would run far faster" not in reason
             assert report.gpus == [] or "the GPU path does not run the qwen35" in reason
+
+
+def test_older_files_place_attention_by_the_interval_and_mtp_layers_are_left_out(tmp_path):
+    from gguf import GGUFWriter
+
+    from engine.arch import qwen35
+    from engine.gguf_file import GGUFFile
+
+    # A file without attention.recurrent_layers, with one MTP layer after its four layers.
+    writer = GGUFWriter(str(tmp_path / "old.gguf"), "qwen35")
+    u32 = gguf.GGUFValueType.UINT32
+    for key, value in {"block_count": 5, "nextn_predict_layers": 1, "context_length": 256, "embedding_length": 8,
+                       "feed_forward_length": 16, "attention.head_count": 2, "attention.head_count_kv": 1,
+                       "attention.key_length": 4, "ssm.conv_kernel": 4, "ssm.state_size": 4, "ssm.group_count": 1,
+                       "ssm.time_step_rank": 2, "ssm.inner_size": 8, "full_attention_interval": 2}.items():
+        writer.add_key_value(f"qwen35.{key}", value, u32)
+    writer.add_tensor("token_embd.weight", np.zeros((10, 8), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    file = GGUFFile(tmp_path / "old.gguf")
+    config = qwen35.read_config(file)
+    file.close()
+    assert config.n_layers == 4 and config.recurrent_layers == (True, False, True, False)
+    assert config.tiled and config.n_experts == 0 and config.head_v_dim == 4 and config.n_recurrent == 2

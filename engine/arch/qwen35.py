@@ -1,12 +1,12 @@
 """Qwen3.5 / 3.6 / 3.8 (qwen35 dense, qwen35moe) and Qwen3-Next (qwen3next) as backend calls. qwen3next has the
 same layers as qwen35moe; only its DeltaNet tensors are laid out differently (engine/arch/deltanet.py reads both).
 
-Layer i is a Gated DeltaNet layer (engine/arch/deltanet.py) where `attention.recurrent_layers` says so (files
+Layer i is a Gated DeltaNet layer (engine/arch/deltanet.py) where `attention.recurrent_layers` says so (in files
 written before that key: unless (i + 1) % full_attention_interval == 0; the converter writes 4 there whatever the
-model's layer_types), otherwise gated full attention: one projection gives the query, a per-head output gate, keys and values -> per-head
-RMSNorm of Q and K -> rotary on the first rope.dimension_count dims of each head, halves ('neox') -> grouped-query
-attention over the KV cache, which only these layers have -> times sigmoid(gate) -> output projection. Either
-mixer is followed by the residual add fused with `post_attention_norm` and the FFN: SwiGLU in dense files, in MoE
+model's layer_types), otherwise gated full attention: one projection gives the query, a per-head output gate,
+keys and values -> per-head RMSNorm of Q and K -> rotary on the first rope.dimension_count dims of each head,
+halves ('neox') -> grouped-query attention over the KV cache, which only these layers have -> times
+sigmoid(gate) -> output projection. Either mixer is followed by the residual add fused with `post_attention_norm` and the FFN: SwiGLU in dense files, in MoE
 files routed experts (softmax, top-k, renormalized) plus a shared expert scaled by sigmoid(ffn_gate_inp_shexp . h).
 
 The files store every norm weight + 1 (the models scale by 1 + weight) except `ssm_norm`, so they are plain
@@ -247,8 +247,9 @@ def ffn_block(config: HybridConfig, layer: HybridLayer, ws: Workspace, backend: 
 def forward(config: HybridConfig, weights: HybridWeights, ws: Workspace, backend: Backend, cache: RecurrentCache, n: int,
             logits_out=None):
     """Run the n tokens in ws.tokens[:n] at positions ws.start[0] + i, filling the KV cache of the attention layers
-    and advancing the recurrent states (from zeros when the chunk starts at position 0). Returns the last token's
-    logits (ws.logits), or every token's logits in logits_out (n, vocab) when given."""
+    and advancing the recurrent states (from zeros when the chunk starts at position 0: reading the position on the
+    host is cheap on the CPU, the only backend these models run on). Returns the last token's logits (ws.logits), or
+    every token's logits in logits_out (n, vocab) when given."""
     c = config
     if int(backend.to_host(ws.start)[0]) == 0:
         cache.reset()
