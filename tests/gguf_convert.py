@@ -2,7 +2,8 @@
 converter lays it out: llama.cpp's tensor names, the Q/K row permutation of llama, the +1 Gemma folds into
 its norm weights, the stacked expert tensors of MoE models, Llama 3's rope_freqs, each architecture's
 metadata keys, and for the hybrid Gated DeltaNet families (qwen35, qwen35moe, qwen3next) what llama.cpp's
-conversion/qwen.py does to them (see _hybrid_tensors). The tokenizer metadata is copied from another GGUF, so token ids mean the same on both sides.
+conversion/qwen.py does to them (see _hybrid_tensors). The tokenizer metadata is copied from another GGUF, so
+token ids mean the same on both sides.
 """
 
 from __future__ import annotations
@@ -230,9 +231,7 @@ def _hybrid_tensors(arch: str, config, state: dict[str, np.ndarray]):
             yield f"blk.{i}.attn_gate.weight", z.reshape(-1, w.shape[1])
             continue
         if tile:
-            if part == "linear_attn.in_proj_qkv":
-                w = np.concatenate([w[: 2 * key_dim], _tiled_value_heads(w[2 * key_dim :], 0, n_k, dv)])
-            elif part == "linear_attn.conv1d":
+            if part in ("linear_attn.in_proj_qkv", "linear_attn.conv1d"):  # only their value rows
                 w = np.concatenate([w[: 2 * key_dim], _tiled_value_heads(w[2 * key_dim :], 0, n_k, dv)])
             elif part == "linear_attn.in_proj_z":
                 w = _tiled_value_heads(w, 0, n_k, dv)
