@@ -4,6 +4,7 @@ its greedy continuation, and the same tokens for a two-turn chat as for one prom
 
 from __future__ import annotations
 
+import gguf
 import numpy as np
 import pytest
 
@@ -63,9 +64,23 @@ def pair(request, tmp_path_factory, smollm2_gguf):
     hf = _build(arch).eval()
     _randomize(hf)
     path = write_gguf(hf, arch, tmp_path_factory.mktemp(arch) / f"tiny-{arch}.gguf", smollm2_gguf, context_length=512)
-    ours = load_model(path, device="cpu", context_length=512)
-    yield arch, hf, ours, path
+    progress = []
+    ours = load_model(path, device="cpu", context_length=512, on_progress=lambda done, total, _: progress.append((done, total)))
+    yield arch, hf, ours, (path, progress)
     ours.close()
+
+
+def test_load_reports_every_tensor_and_keeps_kv_for_attention_layers_only(pair):
+    _, hf, ours, (path, progress) = pair
+    assert progress[-1] == (len(gguf.GGUFReader(path).tensors),) * 2
+    c = hf.config
+    n_attention = c.layer_types.count("full_attention")
+    n_recurrent = c.num_hidden_layers - n_attention
+    kv = 2 * n_attention * c.num_key_value_heads * 512 * c.head_dim * 4
+    conv_dim = 2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim
+    conv = n_recurrent * (c.linear_conv_kernel_dim - 1) * conv_dim * 4
+    ssm = n_recurrent * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
+    assert ours.info.kv_cache_bytes == kv + 2 * (conv + ssm)  # the live recurrent state and its snapshot
 
 
 def _hf_logits(hf, ids):
