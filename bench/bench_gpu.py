@@ -6,8 +6,12 @@ weights read per token / 4.3 TB/s) and the fraction of it reached. The prompt is
 not depend on them); the output is greedy, made the way a chat makes it (generate.sampled_tokens: picked on the
 GPU, each step queued before the id it feeds comes back to the host), for a fixed number of tokens.
 
+The output is measured at the prompt's depth: --prompt 8192 times a prompt of 8,192 tokens, then output from
+position 8,192 on. --attention chunk sends prompt chunks through attention.cu's older chunk path instead of flash
+attention (the before of a comparison); --split-depth sets the depth from which decode attention splits by KV head.
+
 Usage: python bench/bench_gpu.py MODEL.gguf [MODEL.gguf ...] [--prompt 512] [--output 128] [--device cuda]
-       [--repeats 5]
+       [--repeats 5] [--attention flash|chunk] [--split-depth N]
 """
 
 from __future__ import annotations
@@ -23,13 +27,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine import load_model  # noqa: E402
-from engine.backend import SamplingParams  # noqa: E402
+from engine import GenerationSettings, load_model  # noqa: E402
 from engine.generate import prefill, sampled_tokens  # noqa: E402
 from engine.sampler import Sampler  # noqa: E402
 
 BANDWIDTH = 4.3e12  # bytes/s, device-to-device copy measured on an H200 (shared/reference/engine-anchors.md)
-GREEDY = SamplingParams(temperature=0.0)
+GREEDY = GenerationSettings(temperature=0.0).sampling()
 
 
 def bytes_per_token(weights, top_k: int | None = None) -> int:
@@ -209,9 +212,22 @@ def main() -> None:
     parser.add_argument("--output", type=int, default=128)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--repeats", type=int, default=5, help="timed prompt + output runs; the best is reported")
+    parser.add_argument("--attention", choices=("flash", "chunk"), default="flash",
+                        help="prompt-chunk attention on a GPU: flash attention, or attention.cu's older chunk path")
+    parser.add_argument("--split-depth", type=int, help="keys from which decode attention splits by KV head on a "
+                        "GPU (engine/kernels/cuda.py SPLIT_DEPTH by default; a huge number: never)")
     args = parser.parse_args()
+    if args.device == "cuda":
+        from engine.kernels import cuda
+
+        if args.attention == "chunk":
+            cuda.flash_attention_capable = lambda n_heads, n_kv: False
+        if args.split_depth is not None:
+            cuda.SPLIT_DEPTH = args.split_depth
     for path in args.models:
-        print(json.dumps(run(path, args.prompt, args.output, args.device, args.repeats)), flush=True)
+        result = run(path, args.prompt, args.output, args.device, args.repeats)
+        print(json.dumps({**result, "prompt_attention": args.attention, "split_depth": args.split_depth}),
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 # One device call: install the carried wheels, run the GPU tests, then the speed benchmarks.
 # Usage (on the GPU machine, repo root): bash bench/device_run.sh [tests] [kernels] [shapes] [prompt] [synthetic] [profile] [smol]
-#                                        [archs] [memory] [issue5]
+#                                        [archs] [memory] [issue5] [flash]
 # The GPU machine has no network: .whl/ holds the wheels it lacks (gguf; pydantic and its dependencies, which
 # tests/conftest.py's catalog lookup imports; `pip download` them for Python 3.12), and the SmolLM2 GGUF
 # (98 MB, over one call's 64 MB) travels in two parts, .carry/smol.part00 (copied to /tmp/strata by a first call) and
@@ -8,7 +8,9 @@
 # SYNTHETIC="8b:Q4_K ..." limits the synthetic step to those shape:type pairs. archs, memory and issue5 need no
 # model file: .carry/smollm2-tokenizer.gguf (tests/gguf_convert.py
 # write_tokenizer_gguf) and the skeletons .carry/smollm2-skeleton.gguf, .carry/gemma3-skeleton.gguf
-# (bench/replica_gguf.py) travel instead, a few MB each.
+# (bench/replica_gguf.py) travel instead, a few MB each. flash: the attention tests, the attention kernels alone
+# (bench/bench_attention.py) and the Qwen3-8B Q4_K_M shape, FLASH_RUNS="prompt:attention[:split-depth] ..." (the
+# bench_gpu.py options; by default 512 and 8192 tokens, today's kernels against the older ones).
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 STRATA_TEST_CACHE=/tmp/strata
@@ -53,5 +55,16 @@ for part in "$@"; do
         python3 bench/make_synthetic_gguf.py "$f" --shape $spec --type Q4_K_M && timeout 150 python3 bench/bench_gpu.py "$f" 2>&1 | tee -a "$OUT/issue5.jsonl"
         rm -f "$f"
       done ;;
+    flash)
+      timeout 300 python3 -m pytest -q -s -p no:cacheprovider --tb=short -rf tests/test_gpu_flash.py tests/test_gpu_backend.py \
+        tests/test_gpu_kernels.py -k "flash or attention or long_prompt or backend" 2>&1 | tee "$OUT/flash_tests.log" | grep -E "logit difference|passed|failed|Error"
+      timeout 200 python3 bench/bench_attention.py 2>&1 | tee "$OUT/attention.jsonl"
+      f=/tmp/strata/synthetic-qwen3-8b.gguf
+      python3 bench/make_synthetic_gguf.py "$f" --shape qwen3-8b --type Q4_K_M
+      for run in ${FLASH_RUNS:-512:flash 512:chunk:1000000000 8192:flash 8192:chunk:1000000000}; do
+        IFS=: read -r p a d <<< "$run"
+        timeout 200 python3 bench/bench_gpu.py "$f" --prompt $p --output 64 --repeats 2 --attention $a ${d:+--split-depth $d} 2>&1 | tee -a "$OUT/flash_bench.jsonl"
+      done
+      rm -f "$f" ;;
   esac
 done

@@ -4,6 +4,8 @@ product per weight type (plain and programmatic launches) and the prompt path's 
 
 Prints one JSON line per measurement. Decode launches are captured in a CUDA graph and replayed, rotating over
 enough weight copies that they do not fit in L2, so the time is the kernel's, not Python's or the cache's.
+matvec_shapes also times the kernel shapes the backend never picks (kernel_names.SWEEP_SHAPES): the first launch
+of one builds the sweep copy of matvec.cu that holds them.
 Usage: python bench/gpu_kernels.py [copy] [read] [matvec] [matvec_shapes] [prompt]
 """
 
@@ -22,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine import quants  # noqa: E402
 from engine.kernels import cuda as K  # noqa: E402
+from engine.kernels import kernel_names as N  # noqa: E402
 from engine.kernels.gpu_layout import random_blocks  # noqa: E402
 
 L2_BYTES = 60 * 2**20
@@ -74,8 +77,9 @@ def weight_copies(qtype, m, k, rng):
     return [K.upload_weight("w", qtype, (m, k), raw) for _ in range(copies)], raw.nbytes
 
 
-MATVEC_SHAPES = [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2), "stream"]
-GLU_SHAPES = ["fused", *MATVEC_SHAPES[:-1]]  # fused with the int8 quantization of its output, or followed by it
+MATVEC_SHAPES = [*N.SHAPES["matvec"], *N.SWEEP_SHAPES["matvec"], "stream"]
+# fused with the int8 quantization of its output, or followed by it
+GLU_SHAPES = ["fused", *N.SHAPES["matvec_glu"], *N.SWEEP_SHAPES["matvec_glu"]]
 
 
 def bench_matvec(rng, every_shape: bool = False):

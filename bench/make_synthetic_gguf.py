@@ -1,7 +1,8 @@
 """Writes a GGUF of random quantized blocks in the geometry of a real model, for speed and memory tests of
 geometries no embedded model has (decode speed does not depend on the weight values): Llama 1.2B/8B, a
 Qwen3-8B (QK-norm) and a Qwen3-30B-A3B mixture of experts. Norms are F32 ones, and a minimal byte-level
-tokenizer makes the file loadable by engine.load_model.
+tokenizer makes the file loadable by engine.load_model; --tokenizer copies a real model's instead (padded to the
+shape's vocabulary), so llama.cpp loads the very file our bench runs.
 
 --type names one GGML type for every matrix, or Q4_K_M for llama.cpp's usual mix in that file type: Q4_K for
 most matrices, Q6_K for ffn_down, attn_v and the output head (llama.cpp gives Q6_K to only some ffn_down and
@@ -11,6 +12,7 @@ Large tensors repeat a 32 MiB pool of random blocks from a random block offset: 
 lie at their own addresses, and writing a 20 GB file stays a memory copy instead of 20 GB of random numbers.
 
 Usage: python bench/make_synthetic_gguf.py OUT.gguf --shape 1.2b|8b|qwen3-8b|qwen3-30b-a3b --type Q4_0|Q4_K|Q4_K_M|...
+       [--tokenizer OTHER.gguf]
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -30,14 +32,14 @@ from engine.tokenizer import byte_alphabet  # noqa: E402
 
 T = GGMLQuantizationType
 # hidden, layers, ffn, heads, kv heads, vocab, tied embeddings (Llama 3.2 1B ties them, Llama 3 8B does not);
-# Qwen3 adds head_dim and QK-norm, the MoE its experts (ffn is then one expert's).
+# Qwen3 adds head_dim, QK-norm and its context length, the MoE its experts (ffn is then one expert's).
 SHAPES = {
     "1.2b": dict(hidden=2048, layers=16, ffn=8192, heads=32, kv_heads=8, vocab=128256, tied=True),
     "8b": dict(hidden=4096, layers=32, ffn=14336, heads=32, kv_heads=8, vocab=128256, tied=False),
     "qwen3-8b": dict(arch="qwen3", hidden=4096, layers=36, ffn=12288, heads=32, kv_heads=8, head_dim=128,
-                     vocab=151936, tied=False),
+                     vocab=151936, tied=False, context=40960),
     "qwen3-30b-a3b": dict(arch="qwen3moe", hidden=2048, layers=48, ffn=768, heads=32, kv_heads=4, head_dim=128,
-                          vocab=151936, tied=False, experts=128, experts_used=8),
+                          vocab=151936, tied=False, experts=128, experts_used=8, context=40960),
 }
 ROLES = ("token_embd", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "output")
 Q4_K_M = {role: (T.Q6_K if role in ("attn_v", "ffn_down", "output") else T.Q4_K) for role in ROLES}
@@ -89,8 +91,8 @@ def add_matrix(w: GGUFWriter, name: str, qtype: T, rows: int, cols: int, rng, sh
         w.add_tensor(name, data)
 
 
-def _metadata(w: GGUFWriter, s: dict, head_dim: int) -> None:
-    w.add_context_length(8192)
+def _metadata(w: GGUFWriter, s: dict, head_dim: int, tokenizer: Path | None) -> None:
+    w.add_context_length(s.get("context", 8192))  # the trained length (Qwen3: 40,960), for long-prompt runs
     w.add_embedding_length(s["hidden"])
     w.add_block_count(s["layers"])
     w.add_feed_forward_length(s["ffn"])
@@ -106,7 +108,14 @@ def _metadata(w: GGUFWriter, s: dict, head_dim: int) -> None:
         w.add_expert_count(s["experts"])
         w.add_expert_used_count(s["experts_used"])
         w.add_expert_feed_forward_length(s["ffn"])
-    # A byte-level BPE vocabulary: the 256 byte symbols, one merge, then filler tokens up to the vocab size.
+    if tokenizer is not None:
+        _copied_tokenizer(w, s, tokenizer)
+    else:
+        _minimal_tokenizer(w, s)
+
+
+def _minimal_tokenizer(w: GGUFWriter, s: dict) -> None:
+    """A byte-level BPE vocabulary: the 256 byte symbols, one merge, then filler tokens up to the vocab size."""
     symbols = list(byte_alphabet().values())
     tokens = symbols + ["ab"] + [f"<filler{i}>" for i in range(s["vocab"] - len(symbols) - 1)]
     w.add_tokenizer_model("gpt2")
@@ -117,9 +126,37 @@ def _metadata(w: GGUFWriter, s: dict, head_dim: int) -> None:
     w.add_eos_token_id(1)
 
 
-def write_model(path: Path, s: dict, qtype: T | dict[str, T], name: str, seed: int = 0) -> None:
+PER_TOKEN = ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.scores")
+TOKEN_CONTROL = 3
+
+
+def _copied_tokenizer(w: GGUFWriter, s: dict, source: Path) -> None:
+    """Every tokenizer.* key of another GGUF (llama.cpp then tokenizes as it does for that model), the vocabulary
+    padded with control tokens up to the shape's vocab size so the geometry stays the shape's."""
+    fields = {name: f for name, f in GGUFReader(source).fields.items() if name.startswith("tokenizer.")}
+    if "tokenizer.ggml.tokens" not in fields:
+        raise ValueError(f"{source} has no tokenizer.ggml.tokens: give the GGUF of a complete model.")
+    n = len(fields["tokenizer.ggml.tokens"].contents())
+    pad = s["vocab"] - n
+    if pad < 0:
+        raise ValueError(f"{source}'s vocabulary ({n} tokens) is larger than this shape's ({s['vocab']}): "
+                         "copy the tokenizer of a model with a smaller one.")
+    for name, field in fields.items():
+        value, kind = field.contents(), field.types[0]
+        if kind != GGUFValueType.ARRAY:
+            w.add_key_value(name, value, kind)
+            continue
+        if name in PER_TOKEN:
+            filler = {"tokenizer.ggml.tokens": [f"<|synthetic_pad_{i}|>" for i in range(pad)],
+                      "tokenizer.ggml.token_type": [TOKEN_CONTROL] * pad, "tokenizer.ggml.scores": [0.0] * pad}
+            value = list(value) + filler[name]
+        w.add_key_value(name, value, kind, sub_type=field.types[-1])
+
+
+def write_model(path: Path, s: dict, qtype: T | dict[str, T], name: str, seed: int = 0,
+                tokenizer: Path | None = None) -> None:
     """Write the model of geometry s (a SHAPES entry) with every matrix of type qtype, or per role from a
-    type_mix dict."""
+    type_mix dict; with the tokenizer of the GGUF `tokenizer` (see _copied_tokenizer), else a minimal one."""
     types = qtype if isinstance(qtype, dict) else {role: qtype for role in ROLES}
     rng = np.random.default_rng(seed)
     pools: dict = {}
@@ -127,7 +164,7 @@ def write_model(path: Path, s: dict, qtype: T | dict[str, T], name: str, seed: i
     head_dim = s.get("head_dim", s["hidden"] // s["heads"])
     w = GGUFWriter(str(path), arch)
     w.add_name(name)
-    _metadata(w, s, head_dim)
+    _metadata(w, s, head_dim, tokenizer)
 
     def matrix(tensor: str, role: str, rows: int, cols: int, shape=None) -> None:
         add_matrix(w, tensor, types[role], rows, cols, rng, shape, pools)
@@ -171,8 +208,11 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--shape", choices=sorted(SHAPES), required=True)
     parser.add_argument("--type", default="Q4_0", help="GGML type of every matrix (Q4_0, Q4_K, Q8_0, ...) or Q4_K_M")
+    parser.add_argument("--tokenizer", type=Path, help="a GGUF whose tokenizer to copy (e.g. the SmolLM2 file), so "
+                        "llama.cpp can load the result too")
     args = parser.parse_args()
-    write_model(args.out, SHAPES[args.shape], type_mix(args.type), f"synthetic-{args.shape}-{args.type}")
+    write_model(args.out, SHAPES[args.shape], type_mix(args.type), f"synthetic-{args.shape}-{args.type}",
+                tokenizer=args.tokenizer)
 
 
 if __name__ == "__main__":

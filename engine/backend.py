@@ -35,6 +35,18 @@ from engine.gguf_file import GGUFTensor
 
 Array = Any
 
+@dataclass(frozen=True)
+class MemoryInUse:
+    """Bytes a backend holds for its model (uploads, caches, workspaces): host RAM and GPU memory."""
+
+    host_bytes: int = 0
+    device_bytes: int = 0
+
+    @property
+    def total_bytes(self) -> int:
+        return self.host_bytes + self.device_bytes
+
+
 ROPE_NORMAL = "normal"  # rotate adjacent pairs (x[2i], x[2i+1]): llama GGUF, whose Q/K rows are permuted for it
 ROPE_NEOX = "neox"  # rotate halves (x[i], x[i + rot_dim/2]): qwen2/qwen3/gemma3
 
@@ -55,11 +67,11 @@ class SamplingParams:
        cumulative sum, return the first token whose c > uniform * c[-1].
     """
 
-    temperature: float = 0.7
-    top_k: int = 40
-    top_p: float = 0.95
-    min_p: float = 0.05
-    repeat_penalty: float = 1.0
+    temperature: float  # every field is given: the defaults live in engine.generate.GenerationSettings
+    top_k: int
+    top_p: float
+    min_p: float
+    repeat_penalty: float
 
 
 class WeightHandle(Protocol):
@@ -147,8 +159,8 @@ class Backend(Protocol):
     def kv_cache(self, n_layers: int, n_kv_heads: int, head_dim: int, max_tokens: int) -> KVCache:
         """Allocate the KV cache (see `KVCache` for the layout)."""
 
-    def memory_in_use(self) -> dict[str, int]:
-        """{"host_bytes": ..., "device_bytes": ...} held by this backend's uploads, caches and workspaces."""
+    def memory_in_use(self) -> MemoryInUse:
+        """What this backend's uploads, caches and workspaces hold."""
 
     def synchronize(self) -> None:
         """Wait until all queued work is done (no-op on the CPU)."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import inspect
 from typing import Any, Callable
 
 import cupy
@@ -20,12 +21,13 @@ import cupyx
 import numpy as np
 
 from engine import quants
-from engine.backend import ROPE_NEOX, ROPE_NORMAL, KVCache, RopeTable, SamplingParams
+from engine.backend import ROPE_NEOX, ROPE_NORMAL, KVCache, MemoryInUse, RopeTable, SamplingParams
 from engine.capabilities import DEQUANT_SCRATCH_ELEMENTS, GPU_KV_DTYPE, MIN_COMPUTE_CAPABILITY
 from engine.errors import EngineError
 from engine.gguf_file import GGUFTensor
 from engine.kernels import cuda as K
 from engine.kernels.gpu_layout import supported
+from engine.q8_sets import Q8Sets, Span, span
 
 TOPK_MAX = 1024  # top-k above this (or top_k = 0) sorts the whole vocabulary instead
 NO_TOKENS = np.zeros(0, np.int32)
@@ -52,15 +54,32 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def _on_stream(method: Callable) -> Callable:
-    """Run a backend method with the backend's stream as CuPy's current stream (in any calling thread)."""
+def _span(a: Any) -> Span:
+    return span(a.data.ptr, a.shape, a.strides, a.itemsize)
 
-    @functools.wraps(method)
-    def wrapper(self: CupyBackend, *args, **kwargs):
-        with self.stream:
-            return method(self, *args, **kwargs)
 
-    return wrapper
+def _op(*writes: str) -> Callable[[Callable], Callable]:
+    """A backend op that writes the arrays passed as the parameters named `writes`: int8 groups made from them
+    are forgotten before it runs (Q8Sets), and it runs with the backend's stream as CuPy's current stream (in
+    any calling thread). Every public method that queues work is one, so no write can leave stale groups."""
+
+    def decorate(method: Callable) -> Callable:
+        params = list(inspect.signature(method).parameters)[1:]
+        unknown = set(writes) - set(params)
+        if unknown:
+            raise TypeError(f"{method.__name__} has no parameter {', '.join(sorted(unknown))}")
+        where = [(params.index(name), name) for name in writes]
+
+        @functools.wraps(method)
+        def wrapper(self: CupyBackend, *args, **kwargs):
+            arrays = [args[i] if i < len(args) else kwargs.get(name) for i, name in where]
+            self._q8_holds.written([_span(a) for a in arrays if a is not None])
+            with self.stream:
+                return method(self, *args, **kwargs)
+
+        return wrapper
+
+    return decorate
 
 
 class CupyBackend:
@@ -76,8 +95,7 @@ class CupyBackend:
         # Decode-only buffers (reused by every replay of the captured graph, so never reallocated after it).
         # Two sets of int8 activations: an op can read one while it writes the quantized result into the other.
         self._q8: list[K.Q8] = []
-        self._q8_of: tuple[int, int] | None = None  # (pointer, size) of the vector that _q8[_q8_set] holds
-        self._q8_set = 0
+        self._q8_holds = Q8Sets()
         self._decode_scratch: dict[str, Any] = {}
         # Prompt-path and sampling scratch, grown as needed outside graphs.
         self._scratch: dict[str, Any] = {}
@@ -98,22 +116,21 @@ class CupyBackend:
             buf = self._scratch[key] = cupy.empty(size, dtype)
         return buf[:size]
 
-    @_on_stream
+    @_op()
     def empty(self, shape: tuple[int, ...], dtype: Any = np.float32) -> Any:
         return self._hold(cupy.empty(shape, dtype))
 
-    @_on_stream
+    @_op("dst")
     def copy_into(self, dst: Any, src: np.ndarray) -> None:
-        self._q8_of = None
         dst.set(np.ascontiguousarray(src, dtype=dst.dtype), stream=self.stream)
 
-    @_on_stream
+    @_op()
     def to_host(self, x: Any) -> np.ndarray:
         host = cupy.asnumpy(x, stream=self.stream)
         self.stream.synchronize()
         return host
 
-    @_on_stream
+    @_op()
     def upload(self, tensor: GGUFTensor) -> K.GpuWeight:
         shape = tuple(int(s) for s in tensor.shape)
         if len(shape) == 1:
@@ -134,14 +151,14 @@ class CupyBackend:
         self._max_k = max(self._max_k, shape[-1])  # sizes the int8 activations of one-token products
         return self._hold(K.upload_weight(tensor.name, tensor.qtype, shape, tensor.raw))
 
-    @_on_stream
+    @_op()
     def rope_table(self, inv_freq: np.ndarray, max_positions: int, attn_factor: float = 1.0) -> RopeTable:
         angles = np.outer(np.arange(max_positions, dtype=np.float64), inv_freq.astype(np.float64))
         cos = cupy.asarray((np.cos(angles) * attn_factor).astype(np.float32))
         sin = cupy.asarray((np.sin(angles) * attn_factor).astype(np.float32))
         return self._hold(RopeTable(cos, sin))
 
-    @_on_stream
+    @_op()
     def kv_cache(self, n_layers: int, n_kv_heads: int, head_dim: int, max_tokens: int) -> KVCache:
         if head_dim not in K.HEAD_DIMS:
             raise EngineError(
@@ -151,15 +168,9 @@ class CupyBackend:
         shape = (n_layers, n_kv_heads, max_tokens, head_dim)
         return self._hold(KVCache(cupy.zeros(shape, GPU_KV_DTYPE), cupy.zeros(shape, GPU_KV_DTYPE)))
 
-    def memory_in_use(self) -> dict[str, int]:
-        """Bytes in CuPy's pool for this process, and the GPU's free/total memory as the driver reports it."""
-        free, total = cupy.cuda.runtime.memGetInfo()
-        return {
-            "host_bytes": 0,
-            "device_bytes": int(cupy.get_default_memory_pool().used_bytes()),
-            "gpu_free_bytes": int(free),
-            "gpu_total_bytes": int(total),
-        }
+    def memory_in_use(self) -> MemoryInUse:
+        """Bytes in CuPy's pool for this process."""
+        return MemoryInUse(device_bytes=int(cupy.get_default_memory_pool().used_bytes()))
 
     def synchronize(self) -> None:
         self.stream.synchronize()
@@ -171,11 +182,14 @@ class CupyBackend:
         graph: list[Any] = []
 
         def run() -> None:
+            # The graph reuses only int8 groups its own kernels made; its replays write where Q8Sets cannot see.
+            self._q8_holds.forget()
             if graph:
                 graph[0].launch(self.stream)
                 return
             with self.stream:
                 step()
+                self._q8_holds.forget()
                 self.stream.begin_capture()
                 try:
                     with K.programmatic_launches():
@@ -197,6 +211,7 @@ class CupyBackend:
         self._scratch.clear()
         self._graphs.clear()
         self._q8 = []
+        self._q8_holds.forget()
         self._decode_scratch.clear()
         self._id_slots = None
         gc.collect()  # arrays kept alive only by reference cycles go back to the pool before it is emptied
@@ -205,16 +220,15 @@ class CupyBackend:
 
     # ---- ops ----
 
-    @_on_stream
+    @_op("out")
     def embed(self, table: K.GpuWeight, tokens: Any, out: Any, scale: float = 1.0) -> None:
-        self._q8_of = None
         K.dequant(table, out, rows=tokens, scale=scale)
 
-    @_on_stream
+    @_op("out")
     def rms_norm(self, x: Any, weight: K.GpuWeight, eps: float, out: Any) -> None:
         K.rms_norm(x, weight.data, eps, out, self._quantize_output(out))
 
-    @_on_stream
+    @_op("residual", "out")
     def add_rms_norm(self, x: Any, residual: Any, weight: K.GpuWeight, eps: float, out: Any) -> None:
         if x.shape[-1] > K.ADD_NORM_MAX:
             raise EngineError(
@@ -230,31 +244,26 @@ class CupyBackend:
 
     def _quantize_output(self, out: Any) -> K.Q8 | None:
         """For a one-token output another decode product will read: the int8 set the producing kernel should
-        also write (the one not holding the current input), recorded as holding `out`. Otherwise None."""
+        also write (not the one holding its input), recorded as holding `out`. Otherwise None."""
         if out.ndim != 2 or out.shape[0] != 1 or out.shape[1] % 32 or not out.flags.c_contiguous:
-            self._q8_of = None
             return None
-        self._q8_set = 1 - self._q8_set
-        self._q8_of = (out.data.ptr, out.size)
-        return self._q8_sets()[self._q8_set]
+        return self._q8_sets()[self._q8_holds.produce(_span(out))]
 
     def _quantized_input(self, x: Any) -> K.Q8:
         """int8 groups of the one-row x: made by the kernel that wrote x, or quantized here once for the
         several products that read it."""
-        key = (x.data.ptr, x.size)
-        if self._q8_of != key:
-            self._q8_set = 1 - self._q8_set
-            K.quantize_q8(x, self._q8_sets()[self._q8_set])
-            self._q8_of = key
-        return self._q8_sets()[self._q8_set]
+        index, fresh = self._q8_holds.read(_span(x))
+        q8 = self._q8_sets()[index]
+        if not fresh:
+            K.quantize_q8(x, q8)
+        return q8
 
-    @_on_stream
+    @_op("out")
     def linear(self, x: Any, weight: K.GpuWeight, out: Any, bias: K.GpuWeight | None = None) -> None:
         if x.shape[0] == 1:
             q8 = self._quantized_input(x) if weight.quantized else None
             K.matvec(weight, x, q8, out)
         else:
-            self._q8_of = None
             self._prompt_linear(x, weight, out)
         if bias is not None:
             out += bias.data
@@ -275,7 +284,7 @@ class CupyBackend:
             K.dequant(weight, part, row_lo=lo)
             K.gemm_f16(xh, part, out[:, lo:hi])
 
-    @_on_stream
+    @_op("out", "scratch")
     def gated_ffn(self, x: Any, gate: K.GpuWeight, up: K.GpuWeight, out: Any, scratch: Any, activation: str = "silu") -> None:
         act = ACTIVATIONS.get(activation)
         if act is None:
@@ -283,24 +292,22 @@ class CupyBackend:
         if x.shape[0] == 1 and gate.qtype == up.qtype:
             if not gate.quantized:
                 K.matvec_glu(gate, up, x, None, out, act)
-                self._q8_of = None
                 return
             q8 = self._quantized_input(x)
             K.matvec_glu(gate, up, x, q8, out, act, self._quantize_output(out) if out.shape[1] % 32 == 0 else None)
             return
         if gate.qtype == up.qtype and K.tiled(x, gate, out):
-            self._q8_of = None
             K.matmul_glu(gate, up, x, out, act)
             return
         self.linear(x, gate, out)
         self.linear(x, up, scratch)
         K.glu(out, scratch, out, act)
 
-    @_on_stream
+    @_op("weights_out", "ids_out")
     def moe_route(self, router_logits: Any, top_k: int, normalize: bool, weights_out: Any, ids_out: Any) -> None:
         K.moe_route(router_logits, top_k, normalize, weights_out, ids_out)
 
-    @_on_stream
+    @_op("out", "scratch")
     def moe_ffn(self, x, gate_exps: K.GpuWeight, up_exps: K.GpuWeight, down_exps: K.GpuWeight, ids, weights, out,
                 scratch, activation: str = "silu") -> None:
         act = ACTIVATIONS.get(activation)
@@ -333,25 +340,37 @@ class CupyBackend:
         return K.Q8(buffer(f"{key}_q", size, cupy.int8), buffer(f"{key}_q2", size, cupy.int8),
                     buffer(f"{key}_ds", size // 16, cupy.float32).reshape(-1, 2))
 
-    @_on_stream
+    @_op("q", "k", "out")
     def rope_attention(self, q, k, v, rope: RopeTable, style: str, cache: KVCache, layer: int, start, out,
                        scale: float, window: int = 0) -> None:
         if style not in (ROPE_NORMAL, ROPE_NEOX):
             raise EngineError(f"Unknown rotary style {style!r}.")
         kc, vc, neox = cache.k[layer], cache.v[layer], style == ROPE_NEOX
         n, n_heads, hd = q.shape
-        if n == 1 and K.cluster_decode_attention():  # one kernel, the splits merged inside each head's cluster
-            K.attention_decode(q, k, v, rope.cos, rope.sin, neox, kc, vc, start, out, scale, window,
-                               self._quantize_output(out))
+        n_kv, max_tokens = kc.shape[0], kc.shape[1]
+        form = K.decode_attention_form(n_heads, n_kv, max_tokens) if n == 1 else None
+        if form in ("cluster", "split"):  # one kernel: rotary, cache write, attention, merge, output quantized
+            splits = K.cluster_decode_splits(n_heads, n_kv) if form == "cluster" else K.decode_splits(max_tokens, n_kv)
+            part = self._decode_buffer("attn_split_part", n_heads * splits * (hd + 2), cupy.float32)
+            done = self._decode_buffer("attn_split_done", n_kv, cupy.uint32, zeroed=True)
+            q8 = self._quantize_output(out)
+            if form == "cluster":
+                K.attention_decode(q, k, v, rope.cos, rope.sin, neox, kc, vc, start, out, scale, window, q8, part, done)
+            else:
+                K.attention_decode_split(q, k, v, rope.cos, rope.sin, neox, kc, vc, start, out, scale, window, part,
+                                         done, q8, splits)
             return
         K.rope_store_kv(q, k, v, rope.cos, rope.sin, neox, kc, vc, start)
+        if n > 1 and K.flash_attention_capable(n_heads, n_kv):  # a prompt chunk on tensor cores
+            self._q8_of = None
+            K.flash_attention(q, kc, vc, start, out, scale, window)
+            return
         z, wpq = K.attention_splits(n)
         size = n * n_heads * z * wpq * (hd + 2)  # partial results of the key-range splits
         if n == 1:
             K.attention(q, kc, vc, start, out, scale, window, self._decode_buffer("attn_part", size, cupy.float32),
                         self._quantize_output(out), self._decode_buffer("attn_done", n_heads, cupy.uint32, zeroed=True))
         else:
-            self._q8_of = None
             K.attention(q, kc, vc, start, out, scale, window, self._buffer("attn_part", size, cupy.float32))
 
     def _decode_buffer(self, key: str, size: int, dtype: Any, zeroed: bool = False) -> Any:
@@ -393,13 +412,13 @@ class CupyBackend:
                 vals, ids = work[order], order.astype(cupy.int32)
             K.sample_sorted(vals, ids, k, params.temperature, params.top_p, params.min_p, uniform, chosen, feed)
 
-    @_on_stream
+    @_op()
     def sample(self, logits: Any, params: SamplingParams, recent_tokens: np.ndarray, uniform: float) -> int:
         chosen = self._buffer("sample_id", 1, cupy.int32)
         self._pick(logits, params, recent_tokens, uniform, chosen)
         return int(self.to_host(chosen)[0])
 
-    @_on_stream
+    @_op("ids")
     def sample_feed(
         self, logits: Any, params: SamplingParams, uniform: float, ids: Any, position: int
     ) -> Callable[[], int]:

@@ -14,7 +14,7 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from engine import quants
-from engine.backend import KVCache, RopeTable, SamplingParams
+from engine.backend import KVCache, MemoryInUse, RopeTable, SamplingParams
 from engine.capabilities import CPU_KV_DTYPE
 from engine.errors import EngineError
 from engine.gguf_file import GGUFTensor
@@ -73,8 +73,8 @@ class NumpyBackend:
         shape = (n_layers, n_kv_heads, max_tokens, head_dim)
         return self._hold(KVCache(np.zeros(shape, self.kv_dtype), np.zeros(shape, self.kv_dtype)))
 
-    def memory_in_use(self) -> dict[str, int]:
-        return {"host_bytes": sum(int(obj.nbytes) for obj in self._held), "device_bytes": 0}
+    def memory_in_use(self) -> MemoryInUse:
+        return MemoryInUse(host_bytes=sum(int(obj.nbytes) for obj in self._held))
 
     def synchronize(self) -> None:
         return None

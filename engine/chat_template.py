@@ -103,7 +103,11 @@ class ChatTemplate:
             ) from None
 
     def render_segments(
-        self, messages: list[dict[str, Any]], is_control_text: Callable[[str], bool], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        is_control_text: Callable[[str], bool],
+        add_generation_prompt: bool = True,
+        **variables: Any,
     ) -> list[tuple[str, bool]]:
         """The rendered prompt as (text, from_content) pieces, so that the caller can encode what a message says as
         plain text and parse special tokens only where the template itself writes them.
@@ -121,7 +125,7 @@ class ChatTemplate:
                 protected[placeholder] = content
                 message = {**message, "content": placeholder}
             shown.append(message)
-        text = self.render(shown, add_generation_prompt)
+        text = self.render(shown, add_generation_prompt, **variables)
         if not protected:
             return [(text, False)]
         pieces = re.split(f"({re.escape(marker)}\\d+\ue001)", text)

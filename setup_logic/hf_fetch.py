@@ -9,8 +9,10 @@ fails, so it cannot resume after a cancel or a crash. This script uses huggingfa
 `get_hf_file_metadata` (HEAD: size, etag, commit, final location) and `http_get`, which resumes a file from a
 given offset with a Range request and retries dropped connections.
 
-The last line written to stdout is a JSON object: {"ok": true} or {"ok": false, "kind": ..., "detail": ...,
-"status": ...}; kind "transient" may be retried, any other kind needs a person.
+With "resolve_only" in the spec it stops after the HEAD. The last line written to stdout is a JSON object:
+{"ok": true, "commit": ..., "sha256": ...} (the commit the revision names, and the hub's LFS sha256 or null) or
+{"ok": false, "kind": ..., "detail": ..., "status": ...}; kind "transient" may be retried, any other kind needs a
+person.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ def same_origin(a: str, b: str) -> bool:
     return (pa.scheme, pa.hostname, pa.port) == (pb.scheme, pb.hostname, pb.port)
 
 
-def fetch(spec: dict) -> None:
+def fetch(spec: dict) -> dict:
     url = hf_hub_url(spec["repo"], spec["path"], revision=spec["revision"], endpoint=spec["endpoint"])
     meta = get_hf_file_metadata(url, endpoint=spec["endpoint"], library_name="strata-mcp")
     size, sha256 = spec["size"], spec["sha256"]
@@ -78,6 +80,10 @@ def fetch(spec: dict) -> None:
     etag = meta.etag or ""
     if sha256 and len(etag) == 64 and etag != sha256:
         raise FetchProblem("sha_mismatch", f"the server's sha256 is {etag}, the catalog expects {sha256}")
+    # An LFS file's etag is its sha256; a small file kept in git has its git sha1 (40 hex) instead.
+    resolved = {"commit": meta.commit_hash, "sha256": etag if len(etag) == 64 else None}
+    if spec.get("resolve_only"):
+        return resolved
 
     part = Path(spec["part"])
     notes = part.with_name(part.name + ".json")
@@ -108,6 +114,7 @@ def fetch(spec: dict) -> None:
                      displayed_filename=part.name)
     finally:
         lock.release()
+    return resolved
 
 
 def classify(exc: BaseException) -> FetchProblem:
@@ -139,13 +146,13 @@ def main(argv: list[str]) -> int:
     exit_when_parent_dies()
     constants.DOWNLOAD_CHUNK_SIZE = CHUNK_BYTES
     try:
-        fetch(json.loads(argv[1]))
+        resolved = fetch(json.loads(argv[1]))
     except Exception as exc:  # every failure becomes one JSON line for the parent
         problem = classify(exc)
         print(json.dumps({"ok": False, "kind": problem.kind, "detail": problem.detail, "status": problem.status}),
               flush=True)
         return 1
-    print(json.dumps({"ok": True}), flush=True)
+    print(json.dumps({"ok": True, **resolved}), flush=True)
     return 0
 
 

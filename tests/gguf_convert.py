@@ -66,16 +66,18 @@ def llama3_rope_factors(config) -> np.ndarray:
     return np.array(factors, dtype=np.float32)
 
 
-def _copy_tokenizer(writer: GGUFWriter, source: Path) -> None:
+def _copy_tokenizer(writer: GGUFWriter, source: Path, chat_template: str | None = None) -> None:
     reader = GGUFReader(source)
     for name, field in reader.fields.items():
-        if not name.startswith("tokenizer."):
+        if not name.startswith("tokenizer.") or (chat_template is not None and name == "tokenizer.chat_template"):
             continue
         kind = field.types[0]
         if kind == GGUFValueType.ARRAY:
             writer.add_key_value(name, field.contents(), kind, sub_type=field.types[-1])
         else:
             writer.add_key_value(name, field.contents(), kind)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
 
 
 HYBRID_ARCHS = ("qwen35", "qwen35moe", "qwen3next")
@@ -252,15 +254,19 @@ def _hybrid_tensors(arch: str, config, state: dict[str, np.ndarray]):
         yield f"blk.{i}.{base}{suffix or ''}", w
 
 
-def write_gguf(model, arch: str, path: Path, tokenizer_source: Path, context_length: int = 256, f16: bool = False) -> Path:
+def write_gguf(
+    model, arch: str, path: Path, tokenizer_source: Path, context_length: int = 256, f16: bool = False,
+    chat_template: str | None = None,
+) -> Path:
     """Write `model` (a transformers causal LM) as a GGUF of architecture `arch` at `path`; with f16 the
-    matrices are stored as F16 (norms, biases and the router stay F32, as llama.cpp keeps them)."""
+    matrices are stored as F16 (norms, biases and the router stay F32, as llama.cpp keeps them); chat_template
+    replaces the tokenizer source's template."""
     config = model.config
     state = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
     writer = GGUFWriter(str(path), arch)
     writer.add_name(f"tiny-{arch}")
     _metadata(writer, arch, config, context_length)
-    _copy_tokenizer(writer, tokenizer_source)
+    _copy_tokenizer(writer, tokenizer_source, chat_template)
     for name, w in _tensors(arch, config, state):
         w = np.ascontiguousarray(w, dtype=np.float32)
         if f16 and w.ndim >= 2 and "ffn_gate_inp" not in name:

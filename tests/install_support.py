@@ -32,10 +32,10 @@ def make_model(model_id: str, files: list[ModelFile]) -> CatalogModel:
 
 
 def hf_file(hub: HfTestServer, name: str, data: bytes, repo: str = "test-org/test-model",
-            sha256: bool = True) -> ModelFile:
-    hosted = hub.add_file(repo, name, data)
+            sha256: bool = True, path: str | None = None, lfs: bool = True) -> ModelFile:
+    hosted = hub.add_file(repo, path or name, data, lfs=lfs)
     return ModelFile(name=name, size=len(data), sha256=hosted.sha256 if sha256 else None, source="huggingface",
-                     repo=repo, path=name)
+                     repo=repo, path=path or name)
 
 
 def catalog(*models: CatalogModel) -> Callable[[str], CatalogModel]:
@@ -149,3 +149,21 @@ def small_disk(tmp_path: Path):
         yield mount_point, remount
     finally:
         subprocess.run(["umount", "-l", str(mount_point)], check=False)
+
+
+@pytest.fixture
+def read_only_folder(tmp_path):
+    """A folder nobody may write to: a read-only tmpfs where the tests run as root (root ignores modes)."""
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(folder)],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a read-only tmpfs here: {done.stderr.strip()}")
+        yield folder
+        subprocess.run(["umount", "-l", str(folder)], check=False)
+    else:
+        folder.chmod(0o555)
+        yield folder
+        folder.chmod(0o755)

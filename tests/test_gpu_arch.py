@@ -18,8 +18,7 @@ from gpu_support import require_gpu
 from gguf import GGMLQuantizationType as T
 
 from conftest import cache_dir
-from engine import load_model
-from engine.backend import SamplingParams
+from engine import GenerationSettings, load_model
 from engine.errors import EngineError
 from engine.generate import decode_one_token, prefill
 from gguf_convert import write_gguf, write_tokenizer_gguf
@@ -34,7 +33,7 @@ from bench.make_synthetic_gguf import write_model  # noqa: E402
 HEAD_DIM = 64
 LOGIT_TOLERANCE = 1e-2
 GREEDY_TOKENS = 16
-GREEDY = SamplingParams(temperature=0.0)
+GREEDY = GenerationSettings(temperature=0.0).sampling()
 
 
 @pytest.fixture(scope="module")

@@ -335,15 +335,55 @@ def test_attention(n, start, window, hd):
         assert_q8_of(q8, out.get())
 
 
+DECODE_CASES = [(0, 0, 64, False, 64), (300, 0, 128, False, 128), (300, 100, 64, True, 48), (2000, 0, 128, True, 128),
+                (200, 0, 256, False, 192), (45, 0, 256, True, 256)]
+
+
 @pytest.mark.skipif(not K.cluster_decode_attention(), reason="attention_decode needs sm_90 or newer")
-@pytest.mark.parametrize("start,window,hd,neox,rot", [(0, 0, 64, False, 64), (300, 0, 128, False, 128),
-                                                      (300, 100, 64, True, 48), (2000, 0, 128, True, 128),
-                                                      (200, 0, 256, False, 192), (45, 0, 256, True, 256)])
-def test_attention_decode(start, window, hd, neox, rot):
+@pytest.mark.parametrize("heads,kv,split_depth", [(8, 2, None), (8, 2, 0), (8, 2, 301), (16, 2, 0), (6, 2, 0),
+                                                  (24, 2, 0)])
+@pytest.mark.parametrize("start,window,hd,neox,rot", DECODE_CASES)
+def test_attention_decode(start, window, hd, neox, rot, heads, kv, split_depth):
     """One token's rotary embedding, cache write and attention in one kernel, against rope_store_kv then
-    attention in the reference (keys and values rounded to the cache's fp16 as the kernel uses them)."""
+    attention in the reference (keys and values rounded to the cache's fp16 as the kernel uses them); with
+    scratch, from split_depth keys on by blocks of a KV head's whole group (at most 8 query heads, 4 at 256
+    dims), which then write their partial results, chosen on the device from start."""
+    splits = K.cluster_decode_splits(heads, kv)
+    part = cp.full(heads * splits * (hd + 2), cp.nan, cp.float32) if split_depth is not None else None
+    done = K.counters(kv)
+
+    def launch(*args, q8=None):
+        K.attention_decode(*args, q8, part, done, split_depth)
+        assert not done.get().any(), "the merging blocks leave their counters at zero"
+
+    check_decode(launch, start, window, hd, neox, rot, heads, kv)
+    if part is not None:
+        keys = min(start + 1, window) if window else start + 1
+        split = keys >= split_depth and heads // kv <= (4 if hd == 256 else 8)
+        assert np.isnan(part.get()).all() != split, "the kernel splits by KV head exactly from split_depth keys"
+
+
+# GQA groups 1-8 (3 and 5 leave query slots of a block unused); 8 splits of 2048 positions: at start 2000 all take
+# 256 keys, at 300 three take 128 and the rest exit, at 0 one holds only the step's own token.
+@pytest.mark.parametrize("heads,kv", [(8, 2), (16, 2), (6, 2), (4, 4), (10, 2)])
+@pytest.mark.parametrize("start,window,hd,neox,rot", DECODE_CASES)
+def test_attention_decode_split(start, window, hd, neox, rot, heads, kv):
+    """attention_decode's work by blocks of a KV head and a split of its keys, merged by the last to finish."""
+    done = K.counters(kv)
+
+    def launch(*args, q8=None):
+        part = cp.empty(heads * 8 * (hd + 2), cp.float32)
+        K.attention_decode_split(*args, part, done, q8, splits=8)
+        assert not done.get().any(), "the merging blocks leave their counters at zero"
+
+    check_decode(launch, start, window, hd, neox, rot, heads, kv)
+
+
+def check_decode(launch, start, window, hd, neox, rot, heads, kv):
+    """launch(q, k, v, cos, sin, neox, k_cache, v_cache, start, out, scale, window, q8=None) against the
+    reference's rope_store_kv then attention (keys and values rounded to the cache's fp16 as the kernel uses them)."""
     rng = np.random.default_rng()
-    heads, kv, max_tokens = 8, 2, 2048
+    max_tokens = 2048
     qkv = rng.standard_normal((1, (heads + 2 * kv) * hd + 16)).astype(np.float32)
     inv_freq = (1.0 / 10000 ** (np.arange(0, rot, 2) / rot)).astype(np.float32)
     cos, sin = reference.rope_tables(inv_freq, max_tokens)
@@ -366,7 +406,7 @@ def test_attention_decode(start, window, hd, neox, rot):
     args = (*split(cp.asarray(qkv)), cp.asarray(cos), cp.asarray(sin), neox, kc_dev, vc_dev,
             cp.asarray([start], cp.int32))
     out = poisoned((1, heads * hd))
-    K.attention_decode(*args, out, scale, window)
+    launch(*args, out, scale, window)
     assert rel(out.get(), expect) < 1e-5
     assert rel(kc_dev.get()[:, start], kc_ref[:, start]) < 1e-3
     assert np.array_equal(vc_dev.get()[:, start], vc_ref[:, start].astype(np.float16))
@@ -375,7 +415,7 @@ def test_attention_decode(start, window, hd, neox, rot):
     assert np.array_equal(vc_dev.get()[:, others], vc[:, others])
     q8 = K.Q8.empty(heads * hd)
     out[...] = np.nan
-    K.attention_decode(*args, out, scale, window, q8)  # again (as a graph replays): the same result
+    launch(*args, out, scale, window, q8=q8)  # again (as a graph replays): the same result
     assert rel(out.get(), expect) < 1e-5
     assert_q8_of(q8, out.get())
 

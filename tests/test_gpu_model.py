@@ -10,7 +10,6 @@ import pytest
 from gpu_support import require_gpu
 
 from engine import GenerationSettings, load_model
-from engine.backend import SamplingParams
 from engine.generate import prefill, sampled_tokens
 from engine.kernels import reference
 from engine.sampler import Sampler
@@ -38,7 +37,7 @@ PROMPTS = [
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
     "<|im_start|>user\nWrite a haiku about the sea, in English, please.<|im_end|>\n<|im_start|>assistant\n",
 ]
-GREEDY = SamplingParams(temperature=0.0)
+GREEDY = GenerationSettings(temperature=0.0).sampling()
 
 
 @pytest.fixture(scope="module")
@@ -90,15 +89,16 @@ def test_sampling_on_the_gpu_matches_the_reference(models):
     logits = (rng.standard_normal(gpu.info.vocab_size) * 3).astype(np.float32)
     dev = cp.asarray(logits)
     recent = rng.integers(0, gpu.info.vocab_size, 64).astype(np.int32)
-    for params in (SamplingParams(), SamplingParams(top_k=0, top_p=0.9, min_p=0.0, repeat_penalty=1.2),
-                   SamplingParams(temperature=0.0, repeat_penalty=1.5)):
+    for params in (GenerationSettings().sampling(),
+                   GenerationSettings(top_k=0, top_p=0.9, min_p=0.0, repeat_penalty=1.2).sampling(),
+                   GenerationSettings(temperature=0.0, repeat_penalty=1.5).sampling()):
         draws = rng.random(50)
         agree = sum(backend.sample(dev, params, recent, float(u)) == reference.sample(logits, params, recent, float(u))
                     for u in draws)
         assert agree >= 49, f"{params}: {agree}/50 draws agree"
     # sample_feed picks the same and also writes [position, id] where the next decode step reads its input.
     ids = cp.zeros(2, cp.int32)
-    for params in (SamplingParams(), GREEDY):
+    for params in (GenerationSettings().sampling(), GREEDY):
         pending = [(u, backend.sample_feed(dev, params, float(u), ids, 77)) for u in rng.random(4)]
         picked = [result() for _, result in pending]
         assert picked == [backend.sample(dev, params, np.zeros(0, np.int32), float(u)) for u, _ in pending]

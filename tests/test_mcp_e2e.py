@@ -9,7 +9,7 @@ from mcp_support import call, call_error, connect
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
-TOOLS = {"check_pc", "choose_model", "install", "start", "chat", "status", "stop"}
+TOOLS = {"check_pc", "choose_model", "install", "start", "chat", "status", "stop", "connect_info", "logs", "benchmark"}
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from install_support import read_only_folder  # noqa: F401  (fixture)
 from setup_logic.errors import SetupError
 from setup_logic.store import InstalledModel, Store, default_data_dir
 
@@ -140,3 +141,49 @@ def test_registry_writes_are_atomic(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert store.registry_path.read_bytes() == before
     assert [p.name for p in store.data_dir.iterdir() if p.suffix == ".tmp"] == []
+
+
+def _entry(store: Store, model_id: str = "m1") -> InstalledModel:
+    return InstalledModel(id=model_id, files=[str(store.models_dir / model_id / "m.gguf")], size_bytes=1,
+                          sha256=[None], installed_at="2026-01-01T00:00:00+00:00")
+
+
+def test_a_read_only_data_folder_is_one_sentence_and_still_reads(read_only_folder):
+    store = Store(read_only_folder)
+    assert store.installed() == [] and store.get_installed("m1") is None
+    with pytest.raises(SetupError) as info:
+        store.register(_entry(store))
+    message = str(info.value)
+    assert message.endswith(f"make the data folder {read_only_folder} a writable folder, or set STRATA_DATA_DIR "
+                            "to one.") or message == (f"The data folder {read_only_folder} is on a read-only drive; "
+                                                      "set STRATA_DATA_DIR to a folder on a writable drive.")
+    assert "\n" not in message
+
+
+def test_a_data_folder_below_a_file_is_one_sentence(tmp_path):
+    (tmp_path / "a-file").write_text("x")
+    store = Store(tmp_path / "a-file" / "data")
+    assert store.installed() == []
+    with pytest.raises(SetupError, match=r"^Cannot write to .*a-file/data \(Not a directory\); make the data "
+                                         r"folder .* a writable folder, or set STRATA_DATA_DIR to one\.$"):
+        store.register(_entry(store))
+
+
+def test_a_registry_that_is_a_folder_is_one_sentence(tmp_path):
+    store = Store(tmp_path / "data")
+    store.registry_path.mkdir(parents=True)
+    with pytest.raises(SetupError, match=r"^The list of installed models .*installed\.json is a folder, not a "
+                                         r"file; move that folder away"):
+        store.installed()
+    with pytest.raises(SetupError, match="is a folder, not a file"):
+        store.register(_entry(store))
+
+
+def test_a_registry_nested_too_deep_for_json_is_kept_aside_as_damaged(tmp_path):
+    store = Store(tmp_path / "data")
+    store.data_dir.mkdir(parents=True)
+    store.registry_path.write_text('{"models": ' + "[" * 200_000)
+    assert store.installed() == []
+    assert "could not be read (RecursionError)" in store.registry_warning
+    assert len([p for p in store.data_dir.iterdir() if p.name.startswith("installed.json.damaged-")]) == 1
+    assert not store.registry_path.exists()

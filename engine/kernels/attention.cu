@@ -6,7 +6,10 @@
 // blocks as one cluster (attention_decode, sm_90+) or by the head's last block to finish (older GPUs), either of
 // which also quantizes the output for the output projection; for a prompt chunk by attention_combine.
 // attention_decode also does rope_store_kv's work for its token (rotating q and k, storing k and v), which saves
-// that launch.
+// that launch. At depth a decode step is split by KV head instead (attention_decode_split, below: each block
+// serves a KV head's whole query group, so the keys are read once): on sm_90 attention_decode's own grid turns
+// into that form from split_depth keys. Prompt chunks on sm_80+ go to flash_attention.cu instead of
+// attention_partial.
 //
 // Key ranges come from start[0] in device memory, so one captured graph serves every position; splits past
 // the range are empty and leave max = -inf, sum = 0.
@@ -327,6 +330,169 @@ ATTENTION_PARTIAL(64)
 ATTENTION_PARTIAL(128)
 ATTENTION_PARTIAL(256)
 
+// Decode at depth: a block per (KV head, split of the keys) serves every query head of the group, so each key and
+// value row is read once a step rather than once per query head, and the splits (grid x) fill the GPU at any
+// depth the cache holds. The grid is sized for the longest range; a step's keys go to as few splits as take at
+// least SPLIT_MIN_KEYS each (a multiple of 32), and the other blocks exit at once. The block's 4 warps take the
+// split's 32-key tiles in turn (each key tile scored against every query of the group, each value row weighted
+// for all of them), merge in shared memory and leave one partial result per query head in part; the KV head's
+// last block to finish (counted in done[kvh], left at zero) merges the splits and quantizes the output
+// (combine_splits). The step's own token is rotated, stored and attended as in attention_decode. On sm_90
+// attention_decode's blocks turn into these at depth; the kernel of its own serves older GPUs.
+#define SPLIT_MIN_KEYS 128
+
+template <int HD, int G>
+__device__ __forceinline__ void attention_decode_split_impl(
+    const float* __restrict__ q, const float* k_new, const float* v_new, const float* cos_t, const float* sin_t,
+    int rot, int neox, u16* k_cache, u16* v_cache, int max_tokens, int n_heads, int n_kv, const int* start,
+    int window, float scale_log2, int kvh, int split, int n_splits, float* part, u32* done, float* out,
+    signed char* xq, signed char* xq2, float2* xds) {
+    constexpr int WPL = HD / 64, VT = 8;
+    __shared__ float qs[G][HD], wacc[4][G][HD], wm[4][G], wl[4][G];
+    __shared__ bool last;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int group = n_heads / n_kv;
+    const int pos = start[0];
+    const int first = window > 0 ? max(0, pos - window + 1) : 0;
+    const int len = pos + 1 - first;
+    const int per = max(SPLIT_MIN_KEYS, (len + 32 * n_splits - 1) / (32 * n_splits) * 32);
+    const int active = (len + per - 1) / per;
+    if (split >= active) return;
+    const int lo = first + split * per, hi = min(lo + per, pos + 1), cached_hi = min(hi, pos);
+    const u16* kbase = k_cache + (long)kvh * max_tokens * HD;
+    const u16* vbase = v_cache + (long)kvh * max_tokens * HD;
+    // The cached rows are final before the kernel before this one runs: ask L2 for them while it finishes.
+    for (long off = 128L * threadIdx.x; off < (long)(cached_hi - lo) * HD * 2; off += 128L * blockDim.x) {
+        prefetch_l2_line(reinterpret_cast<const char*>(kbase + (long)lo * HD) + off);
+        prefetch_l2_line(reinterpret_cast<const char*>(vbase + (long)lo * HD) + off);
+    }
+    grid_dependency_sync();
+    const float* cos_p = cos_t + (long)pos * (rot / 2);
+    const float* sin_p = sin_t + (long)pos * (rot / 2);
+    for (int i = threadIdx.x; i < group * HD; i += blockDim.x)
+        qs[i / HD][i % HD] = rotated(q + (long)(kvh * group + i / HD) * HD, i % HD, rot, neox, cos_p, sin_p) * scale_log2;
+    __syncthreads();
+
+    float acc[G][2 * WPL], m[G], l[G];
+#pragma unroll
+    for (int h = 0; h < G; ++h) {
+        m[h] = NEG_INF;
+        l[h] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 2 * WPL; ++i) acc[h][i] = 0.0f;
+    }
+    for (int j0 = lo + 32 * warp; j0 < cached_hi; j0 += 128) {
+        uint4 kv[HD / 8];
+        KeyTile<HD>::load(kbase, j0, cached_hi, kv);
+        float p[G];
+#pragma unroll
+        for (int h = 0; h < G; ++h) {
+            if (h >= group) break;
+            float q8[8];
+#pragma unroll
+            for (int e = 0; e < 8; ++e) q8[e] = qs[h][8 * (lane % KeyTile<HD>::LPK) + e];
+            const float s = KeyTile<HD>::scores(q8, kv, j0, cached_hi);
+            const float m_new = fmaxf(m[h], warp_max(s));
+            const float corr = exp2f(m[h] - m_new);
+            p[h] = j0 + lane < cached_hi ? exp2f(s - m_new) : 0.0f;
+            l[h] = l[h] * corr + warp_sum(p[h]);
+#pragma unroll
+            for (int i = 0; i < 2 * WPL; ++i) acc[h][i] *= corr;
+            m[h] = m_new;
+        }
+        const int cnt = min(32, cached_hi - j0);
+        for (int jj = 0; jj < cnt; jj += VT) {
+            u32 vv[VT][WPL];
+#pragma unroll
+            for (int t = 0; t < VT; ++t)
+#pragma unroll
+                for (int c = 0; c < WPL; ++c)
+                    vv[t][c] = jj + t < cnt
+                                   ? __ldg(reinterpret_cast<const u32*>(vbase + (long)(j0 + jj + t) * HD) + 32 * c + lane)
+                                   : 0u;
+#pragma unroll
+            for (int h = 0; h < G; ++h) {
+                if (h >= group) break;
+#pragma unroll
+                for (int t = 0; t < VT; ++t) {
+                    const float pj = __shfl_sync(0xFFFFFFFFu, p[h], (jj + t) & 31);
+#pragma unroll
+                    for (int c = 0; c < WPL; ++c) {
+                        acc[h][2 * c] = fmaf(pj, h2f_lo(vv[t][c]), acc[h][2 * c]);
+                        acc[h][2 * c + 1] = fmaf(pj, h2f_hi(vv[t][c]), acc[h][2 * c + 1]);
+                    }
+                }
+            }
+        }
+    }
+    if (warp == 0 && hi == pos + 1) {  // the split holding the step's own token
+        const long row = ((long)kvh * max_tokens + pos) * HD;
+        const NewToken nt = {k_new + (long)kvh * HD, v_new + (long)kvh * HD, cos_p, sin_p, rot, neox,
+                             k_cache + row, v_cache + row};
+        NewKV<HD> nkv;
+        nkv.load(nt);
+        nkv.store(nt);
+#pragma unroll
+        for (int h = 0; h < G; ++h)
+            if (h < group) nkv.attend(qs[h], acc[h], m[h], l[h]);
+    }
+
+    // The warps' results merged into the block's, one partial (acc, m, l) per query head: acc[h][2 c + e] is dim
+    // 64 c + 2 lane + e (warp_attend). Values past a row's keys are zero (vv), so a split of fewer keys adds nothing.
+#pragma unroll
+    for (int h = 0; h < G; ++h) {
+        if (h >= group) break;
+#pragma unroll
+        for (int c = 0; c < WPL; ++c)
+            reinterpret_cast<float2*>(&wacc[warp][h][64 * c])[lane] = make_float2(acc[h][2 * c], acc[h][2 * c + 1]);
+        if (lane == 0) {
+            wm[warp][h] = m[h];
+            wl[warp][h] = l[h];
+        }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < group * (HD + 2); i += blockDim.x) {
+        const int h = i / (HD + 2), d = i % (HD + 2);
+        const float top = fmaxf(fmaxf(wm[0][h], wm[1][h]), fmaxf(wm[2][h], wm[3][h]));
+        float v = d == HD ? top : 0.0f;
+        if (d != HD)
+#pragma unroll
+            for (int w = 0; w < 4; ++w) v += (d < HD ? wacc[w][h][d] : wl[w][h]) * exp2f(wm[w][h] - top);
+        part[((long)(kvh * group + h) * n_splits + split) * (HD + 2) + d] = v;
+    }
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        last = atomicAdd(done + kvh, 1u) == active - 1;
+        if (last) done[kvh] = 0;
+    }
+    __syncthreads();
+    if (!last) return;
+    for (int h = 0; h < group; ++h) {
+        const int head = kvh * group + h;
+        if (h > 0) __syncthreads();  // combine_splits' shared maxima and sums are read before they are rewritten
+        combine_splits(part + (long)head * n_splits * (HD + 2), active, HD, out + (long)head * HD, xq, xq2, xds,
+                       (long)head * HD / 32);
+    }
+}
+
+#define ATTENTION_DECODE_SPLIT(HD, G)                                                                           \
+    extern "C" __global__ void __launch_bounds__(128) attention_decode_split_##HD##_g##G(                       \
+        const float* q, const float* k_new, const float* v_new, const float* cos_t, const float* sin_t, int rot, \
+        int neox, u16* k_cache, u16* v_cache, int max_tokens, int n_heads, int n_kv, const int* start,         \
+        int window, float scale_log2, float* part, u32* done, float* out, signed char* xq, signed char* xq2,   \
+        float2* xds) {                                                                                         \
+        attention_decode_split_impl<HD, G>(q, k_new, v_new, cos_t, sin_t, rot, neox, k_cache, v_cache,          \
+                                           max_tokens, n_heads, n_kv, start, window, scale_log2, blockIdx.y,    \
+                                           blockIdx.x, gridDim.x, part, done, out, xq, xq2, xds);               \
+    }
+ATTENTION_DECODE_SPLIT(64, 4)
+ATTENTION_DECODE_SPLIT(64, 8)
+ATTENTION_DECODE_SPLIT(128, 4)
+ATTENTION_DECODE_SPLIT(128, 8)
+ATTENTION_DECODE_SPLIT(256, 4)
+ATTENTION_DECODE_SPLIT(256, 8)
+
 #if __CUDA_ARCH__ >= 900
 // Decode on sm_90 and newer: a head's ATTN_CLUSTER blocks (grid z) form a thread-block cluster, which merges the
 // splits through the blocks' shared memory instead of through global memory, a fence and a counter; each warp also
@@ -346,12 +512,13 @@ __device__ __forceinline__ void st_cluster(float* p, u32 rank, float v) {
     asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(addr), "f"(v) : "memory");
 }
 
-template <int HD>
+template <int HD, int G>
 __device__ __forceinline__ void attention_decode_impl(const float* q, const float* k_new, const float* v_new,
                                                       const float* cos_t, const float* sin_t, int rot, int neox,
                                                       u16* k_cache, u16* v_cache, int max_tokens, int n_heads,
                                                       int n_kv, const int* start, int window, float scale_log2,
-                                                      float* out, signed char* xq, signed char* xq2, float2* xds) {
+                                                      int split_depth, float* part, u32* done, float* out,
+                                                      signed char* xq, signed char* xq2, float2* xds) {
     constexpr int N_SPLITS = 4 * ATTN_CLUSTER;
     static_assert(HD / 32 <= ATTN_CLUSTER, "one block merges each 32 dims");
     // In block r: split s's output on dims 32 r + i, its max and its sum (the merge's inputs, pushed by every warp).
@@ -359,6 +526,17 @@ __device__ __forceinline__ void attention_decode_impl(const float* q, const floa
     // Remote shared memory may be written only once its block runs: every block arrives now and waits before
     // its first push, long after all have arrived.
     cluster_arrive();
+    // From split_depth keys on (part non-null), the grid's blocks work as attention_decode_split's, G query heads
+    // a block: the whole grid's clusters are split among the KV heads.
+    const int depth = start[0] + 1, n_kv_splits = gridDim.x * ATTN_CLUSTER / n_kv;
+    if (part != nullptr && (window > 0 ? min(depth, window) : depth) >= split_depth) {
+        cluster_wait();
+        const int flat = blockIdx.x * ATTN_CLUSTER + blockIdx.z;
+        attention_decode_split_impl<HD, G>(q, k_new, v_new, cos_t, sin_t, rot, neox, k_cache, v_cache, max_tokens,
+                                           n_heads, n_kv, start, window, scale_log2, flat / n_kv_splits,
+                                           flat % n_kv_splits, n_kv_splits, part, done, out, xq, xq2, xds);
+        return;
+    }
     const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
     const int head = blockIdx.x;
     const int group = n_heads / n_kv, kvh = head / group, pos = start[0];
@@ -391,17 +569,21 @@ __device__ __forceinline__ void attention_decode_impl(const float* q, const floa
     if (xq != nullptr) quantize_group(o, (long)head * HD / 32 + rank, xq, xq2, xds);
 }
 
-#define ATTENTION_DECODE(HD)                                                                                   \
-    extern "C" __global__ void __cluster_dims__(1, 1, ATTN_CLUSTER) attention_decode_##HD(                    \
+#define ATTENTION_DECODE(HD, G)                                                                                \
+    extern "C" __global__ void __cluster_dims__(1, 1, ATTN_CLUSTER) attention_decode_##HD##_g##G(             \
         const float* q, const float* k_new, const float* v_new, const float* cos_t, const float* sin_t, int rot, \
         int neox, u16* k_cache, u16* v_cache, int max_tokens, int n_heads, int n_kv, const int* start,         \
-        int window, float scale_log2, float* out, signed char* xq, signed char* xq2, float2* xds) {          \
-        attention_decode_impl<HD>(q, k_new, v_new, cos_t, sin_t, rot, neox, k_cache, v_cache, max_tokens,      \
-                                  n_heads, n_kv, start, window, scale_log2, out, xq, xq2, xds);               \
+        int window, float scale_log2, int split_depth, float* part, u32* done, float* out, signed char* xq,   \
+        signed char* xq2, float2* xds) {                                                                       \
+        attention_decode_impl<HD, G>(q, k_new, v_new, cos_t, sin_t, rot, neox, k_cache, v_cache, max_tokens,   \
+                                     n_heads, n_kv, start, window, scale_log2, split_depth, part, done, out, xq, \
+                                     xq2, xds);                                                                \
     }
-ATTENTION_DECODE(64)
-ATTENTION_DECODE(128)
-ATTENTION_DECODE(256)
+ATTENTION_DECODE(64, 4)
+ATTENTION_DECODE(64, 8)
+ATTENTION_DECODE(128, 4)
+ATTENTION_DECODE(128, 8)
+ATTENTION_DECODE(256, 4)  // 8 query slots of 256 dims would pass 48 KB of static shared memory
 #endif
 
 // One block per (query, head), one thread per dim (prompt chunks: a query's splits are its warps).

@@ -22,6 +22,7 @@ import numpy as np
 from cupy_backends.cuda.libs import cublas
 from gguf import GGMLQuantizationType as T
 
+from engine.kernels import kernel_names as N
 from engine.kernels import sources
 from engine.kernels.gpu_layout import FLOAT_TYPES, KERNEL_SUFFIX, PLANE_ORDER, PLANES, planar_layout, to_planar
 
@@ -29,7 +30,7 @@ WARPS = 4  # warps per block of the matrix-vector and attention kernels
 # Decode attention: grid.z blocks per head (on sm_90+ one cluster, attention.cu ATTN_CLUSTER), times 4 warps = 32
 # splits of the key range.
 ATTN_Z_SPLITS = 8
-HEAD_DIMS = (64, 128, 256)  # head sizes the attention kernels are built for
+HEAD_DIMS = N.HEAD_DIMS
 ACT_SILU, ACT_GELU_TANH = 0, 1
 
 i32, i64, f32 = np.int32, np.int64, np.float32
@@ -37,13 +38,14 @@ LOG2_E = 1.4426950408889634  # attention works in base 2
 
 
 @functools.cache
-def module(name: str) -> cupy.RawModule:
-    return cupy.RawModule(code=sources.source(name), options=sources.OPTIONS)
+def module(name: str, sweep: bool = False) -> cupy.RawModule:
+    """sweep: the copy that also holds the kernels only benchmark sweeps launch (kernel_names.SWEEP_OPTION)."""
+    return cupy.RawModule(code=sources.source(name), options=sources.OPTIONS + ((N.SWEEP_OPTION,) if sweep else ()))
 
 
 @functools.cache
 def kernel(module_name: str, name: str) -> Any:
-    return module(module_name).get_function(name)
+    return module(module_name, name in N.SWEEP_ONLY).get_function(name)
 
 
 @functools.cache
@@ -229,10 +231,6 @@ def glu_shape(m: int, k: int, qtype: T) -> str | tuple[int, int]:
     return (1, 2) if qtype in HEAVY_DECODE else (2, 1)
 
 
-def _shape_suffix(wpr: int, rows: int) -> str:
-    return f"_w{wpr}" + ("_r2" if rows == 2 else "")
-
-
 @functools.cache
 def _resident_blocks(name: str, threads: int) -> int | None:
     """How many blocks of a kernel the whole GPU holds at once (the driver's occupancy answer), or None where the
@@ -247,17 +245,13 @@ def _resident_blocks(name: str, threads: int) -> int | None:
     return per_sm.value * cupy.cuda.Device().attributes["MultiProcessorCount"]
 
 
-LEAN_STREAM_TYPES = (T.Q4_0,)  # where the 32-register streamed form paid on an H200 (8B Q4_0); it cost Q4_K 4%
-
-
 def _stream_grid(w: GpuWeight, m: int, k: int) -> tuple[str, int]:
     """The streamed kernel and its grid for an (m, k) product: as many blocks as the GPU holds, or fewer when
-    the rows run out. For LEAN_STREAM_TYPES, of the plain kernel and its 32-register form (more blocks a
+    the rows run out. For N.LEAN_STREAM_TYPES, of the plain kernel and its 32-register form (more blocks a
     multiprocessor where registers bound them, at the cost of a few spilled bytes) the one that goes round its
     rows fewer times: the last round's blocks finish alone (8B FFN down: 6 rounds of 396 blocks, or 4 of 528)."""
     row_sets = _blocks(m, sources.STREAM_ROWS)
-    forms = ("", "_lean") if w.qtype in LEAN_STREAM_TYPES else ("",)
-    names = [f"matvec_stream{form}_{w.suffix}" for form in forms]
+    names = [N.stream(w.qtype, form) for form in N.stream_forms(w.qtype)]
     grids = [(name, min(row_sets, _resident_blocks(name, k // 32) or row_sets)) for name in names]
     return min(grids, key=lambda g: _blocks(row_sets, g[1]))  # the first, the plain form, on a tie
 
@@ -269,7 +263,8 @@ def matvec(w: GpuWeight, x: Any, q8: Q8 | None, out: Any, shape: str | tuple[int
     (1, or 2 with 1 or 2 warps) share their loads of x. matvec_shape picks it by default."""
     m, k = w.shape
     if not w.quantized:
-        launch("matvec", f"matvec_{w.suffix}", (_blocks(m, WARPS),), (32 * WARPS,), (w.data, x, out, i32(m), i32(k)))
+        launch("matvec", N.typed("matvec", w.qtype), (_blocks(m, WARPS),), (32 * WARPS,),
+               (w.data, x, out, i32(m), i32(k)))
         return
     shape = shape or matvec_shape(m, k, w.qtype)
     args = (*w.args(), *q8.args(), out, i32(m), i32(k))
@@ -280,7 +275,7 @@ def matvec(w: GpuWeight, x: Any, q8: Q8 | None, out: Any, shape: str | tuple[int
         launch("matvec", name, (grid,), (k // 32,), args)
         return
     wpr, rows = shape
-    launch("matvec", f"matvec_{w.suffix}{_shape_suffix(wpr, rows)}", (_blocks(m * wpr, WARPS * rows),),
+    launch("matvec", N.shaped("matvec", w.qtype, shape), (_blocks(m * wpr, WARPS * rows),),
            (32 * WARPS,), args)
 
 
@@ -292,16 +287,16 @@ def matvec_glu(gate: GpuWeight, up: GpuWeight, x: Any, q8: Q8 | None, out: Any, 
     quantize_q8 after it; glu_shape picks by default."""
     m, k = gate.shape
     if not gate.quantized:
-        launch("matvec", f"matvec_glu_{gate.suffix}", (_blocks(m, WARPS),), (32 * WARPS,),
+        launch("matvec", N.typed("matvec_glu", gate.qtype), (_blocks(m, WARPS),), (32 * WARPS,),
                (*gate.args(), *up.args(), x, out, i32(m), i32(k), i32(act)))
         return
     shape = shape or (glu_shape(m, k, gate.qtype) if q8_out is not None else (1, 1))
     if shape == "fused":
-        launch("matvec", f"matvec_glu_q8_{gate.suffix}", (m // 32,), (512,),
+        launch("matvec", N.typed("matvec_glu_q8", gate.qtype), (m // 32,), (512,),
                (*gate.args(), *up.args(), *q8.args(), out, i32(k), i32(act), *q8_out.args()))
         return
     wpr, rows = shape
-    launch("matvec", f"matvec_glu_{gate.suffix}{_shape_suffix(wpr, rows)}", (_blocks(m * wpr, WARPS * rows),),
+    launch("matvec", N.shaped("matvec_glu", gate.qtype, shape), (_blocks(m * wpr, WARPS * rows),),
            (32 * WARPS,), (*gate.args(), *up.args(), *q8.args(), out, i32(m), i32(k), i32(act)))
     if q8_out is not None:
         quantize_q8(out, q8_out)
@@ -313,7 +308,7 @@ def moe_gate_up(gate: GpuWeight, up: GpuWeight, x: Any, q8: Q8 | None, ids: Any,
     _, f, k = gate.shape
     slots = ids.size
     src = q8.args() if gate.quantized else (x,)
-    launch("matvec", f"moe_gate_up_{gate.suffix}", (_blocks(f, WARPS), slots), (32 * WARPS,),
+    launch("matvec", N.typed("moe_gate_up", gate.qtype), (_blocks(f, WARPS), slots), (32 * WARPS,),
            (*gate.args(), *up.args(), *src, ids, i32(ids.shape[1]), hidden, i32(f), i32(k), i32(act)))
 
 
@@ -323,7 +318,7 @@ def moe_down(down: GpuWeight, hidden: Any, q8: Q8 | None, ids: Any, weights: Any
     _, d, f = down.shape
     n, top_k = ids.shape
     src = q8.args() if down.quantized else (hidden,)
-    launch("matvec", f"moe_down_{down.suffix}", (_blocks(d, WARPS), n), (32 * WARPS,), (*down.args(), *src, ids, weights, i32(top_k), out, i32(d), i32(f)))
+    launch("matvec", N.typed("moe_down", down.qtype), (_blocks(d, WARPS), n), (32 * WARPS,), (*down.args(), *src, ids, weights, i32(top_k), out, i32(d), i32(f)))
 
 
 def moe_route(logits: Any, top_k: int, normalize: bool, weights_out: Any, ids_out: Any) -> None:
@@ -346,8 +341,7 @@ def dequant(w: GpuWeight, out: Any, rows: Any = None, scale: float = 1.0, row_lo
     if row_lo:
         args = _row_slice(w, row_lo, row_lo + n)
     rows_arg = rows if rows is not None else np.uintp(0)
-    name = f"dequant_{w.suffix}_{'f16' if half else 'f32'}"
-    launch("dequant", name, (_blocks(n * k // per_thread, 256),), (256,), (*args, rows_arg, out, i32(n), i32(k), f32(scale)))
+    launch("dequant", N.dequant(w.qtype, half), (_blocks(n * k // per_thread, 256),), (256,), (*args, rows_arg, out, i32(n), i32(k), f32(scale)))
 
 
 def _row_slice(w: GpuWeight, lo: int, hi: int) -> tuple[Any, ...]:
@@ -392,7 +386,7 @@ def matmul(w: GpuWeight, x: Any, out: Any) -> None:
     """out (n, m) float32 = x (n, k) float32 . w (m, k)^T on tensor cores, w dequantized tile by tile (see tiled)."""
     n, k = x.shape
     m = w.shape[0]
-    launch("matmul", f"matmul_{w.suffix}", (_blocks(m, MM_ROWS), _blocks(n, MM_TOKENS)), (128,),
+    launch("matmul", N.typed("matmul", w.qtype), (_blocks(m, MM_ROWS), _blocks(n, MM_TOKENS)), (128,),
            (*w.args(), x, i64(x.strides[0] // 4), out, i64(out.strides[0] // 4), i32(n), i32(m), i32(k)))
 
 
@@ -400,7 +394,7 @@ def matmul_glu(gate: GpuWeight, up: GpuWeight, x: Any, out: Any, act: int) -> No
     """out (n, f) = act(x . gate^T) * (x . up^T), both products in one kernel (gate and up of one type)."""
     n, k = x.shape
     m = gate.shape[0]
-    launch("matmul", f"matmul_glu_{gate.suffix}", (_blocks(m, MM_ROWS // 2), _blocks(n, MM_TOKENS)), (128,),
+    launch("matmul", N.typed("matmul_glu", gate.qtype), (_blocks(m, MM_ROWS // 2), _blocks(n, MM_TOKENS)), (128,),
            (*gate.args(), *up.args(), x, i64(x.strides[0] // 4), out, i64(out.strides[0] // 4), i32(n), i32(m),
             i32(k), i32(act)))
 
@@ -477,20 +471,70 @@ def attention_splits(n: int) -> tuple[int, int]:
 
 def cluster_decode_attention() -> bool:
     """Whether decode attention merges its splits inside a thread-block cluster (attention_decode, sm_90+)."""
-    return _capability() >= 90
+    return _capability() >= N.PER_GROUP["attention_decode"][1]
 
 
 def attention_decode(q, k, v, cos, sin, neox: bool, k_cache, v_cache, start, out, scale: float, window: int,
-                     q8: Q8 | None = None) -> None:
-    """One token's rope_store_kv and attention in one kernel with no scratch: q (1, H, hd), k, v (1, KV, hd)
-    strided views, as the QKV projection left them (neither is rotated in place); out (1, H*hd). Each head's
-    ATTN_Z_SPLITS blocks are one cluster (attention.cu ATTN_CLUSTER), which merges their 32 splits, and with q8
-    also quantizes the output for the output projection. Needs cluster_decode_attention()."""
+                     q8: Q8 | None = None, part=None, done=None, split_depth: int | None = None) -> None:
+    """One token's rope_store_kv and attention in one kernel: q (1, H, hd), k, v (1, KV, hd) strided views, as
+    the QKV projection left them (neither is rotated in place); out (1, H*hd). Each head's ATTN_Z_SPLITS blocks
+    are one cluster (attention.cu ATTN_CLUSTER), which merges their 32 splits, and with q8 also quantizes the
+    output for the output projection. With part (float32 scratch of H * cluster_decode_splits(H, KV) * (hd+2))
+    and done = counters(KV), a step attending to split_depth (SPLIT_DEPTH) keys or more runs the grid's blocks
+    as attention_decode_split's instead (GQA groups of at most 8, 4 at 256 dims), the choice made on the device,
+    so one captured graph serves every depth. Needs cluster_decode_attention()."""
     _, n_heads, hd = q.shape
     n_kv, max_tokens = k_cache.shape[0], k_cache.shape[1]
-    launch("attention", f"attention_decode_{hd}", (n_heads, 1, ATTN_Z_SPLITS), (128,),
+    group = n_heads // n_kv
+    g = 4 if group <= 4 or hd == 256 else 8  # query slots a block (attention.cu builds 4 only for 256 dims)
+    scratch = (part, done) if part is not None and group <= g else (np.uintp(0), np.uintp(0))
+    launch("attention", N.per_group("attention_decode", hd, g), (n_heads, 1, ATTN_Z_SPLITS), (128,),
            (q, k, v, cos, sin, i32(2 * cos.shape[1]), i32(1 if neox else 0), k_cache, v_cache, i32(max_tokens),
-            i32(n_heads), i32(n_kv), start, i32(window), f32(scale * LOG2_E), out, *q8_args(q8)))
+            i32(n_heads), i32(n_kv), start, i32(window), f32(scale * LOG2_E),
+            i32(SPLIT_DEPTH if split_depth is None else split_depth), *scratch, out, *q8_args(q8)))
+
+
+SPLIT_MIN_KEYS, MAX_SPLITS = 128, 64  # attention.cu: fewest keys a decode split takes, most splits a merge reads
+SPLIT_BLOCKS_PER_SM = 2
+# Keys from which decode attention splits by KV head rather than by query head. On an H200 (Qwen3-8B shape,
+# bench/bench_attention.py) attention_decode took 14.4 us at 2K keys and 49.6 at 7.7K, the split form 23.2 and 37.2.
+SPLIT_DEPTH = 4096
+SPLIT_CONTEXT = 8192  # before sm_90: caches from this many positions decode with attention_decode_split
+
+
+def cluster_decode_splits(n_heads: int, n_kv: int) -> int:
+    """Splits of a KV head's keys when attention_decode's grid works as attention_decode_split's."""
+    return ATTN_Z_SPLITS * n_heads // n_kv
+
+
+def decode_splits(max_tokens: int, n_kv: int) -> int:
+    """Splits of each KV head's keys for attention_decode_split: enough blocks for SPLIT_BLOCKS_PER_SM a
+    multiprocessor at the deepest position the cache holds (fewer are active at shallower ones)."""
+    sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+    return max(1, min(MAX_SPLITS, _blocks(max_tokens, SPLIT_MIN_KEYS), _blocks(SPLIT_BLOCKS_PER_SM * sms, n_kv)))
+
+
+def decode_attention_form(n_heads: int, n_kv: int, max_tokens: int) -> str:
+    """Which kernel a decode step's attention runs: "cluster" (attention_decode, sm_90+, itself splitting by KV
+    head at depth), else "split" (attention_decode_split, GQA groups of at most 8 query heads) for caches of at
+    least SPLIT_CONTEXT positions, else "partial" (attention's two-kernel form)."""
+    if cluster_decode_attention():
+        return "cluster"
+    return "split" if n_heads // n_kv <= 8 and max_tokens >= SPLIT_CONTEXT else "partial"
+
+
+def attention_decode_split(q, k, v, cos, sin, neox: bool, k_cache, v_cache, start, out, scale: float, window: int,
+                           part, done, q8: Q8 | None = None, splits: int | None = None) -> None:
+    """attention_decode's work (one token's rotary embedding, cache write and attention) by blocks of a KV head
+    and a split of its keys, each serving the head's whole GQA group (at most 8 query heads): part, float32
+    scratch of H*splits*(hd+2); done = counters(KV). splits: decode_splits by default."""
+    _, n_heads, hd = q.shape
+    n_kv, max_tokens = k_cache.shape[0], k_cache.shape[1]
+    g = 4 if n_heads // n_kv <= 4 else 8
+    splits = splits or decode_splits(max_tokens, n_kv)
+    launch("attention", N.per_group("attention_decode_split", hd, g), (splits, n_kv), (128,),
+           (q, k, v, cos, sin, i32(2 * cos.shape[1]), i32(1 if neox else 0), k_cache, v_cache, i32(max_tokens),
+            i32(n_heads), i32(n_kv), start, i32(window), f32(scale * LOG2_E), part, done, out, *q8_args(q8)))
 
 
 def counters(n: int) -> Any:
@@ -508,12 +552,34 @@ def attention(q, k_cache, v_cache, start, out, scale: float, window: int, part, 
     n_kv, max_tokens = k_cache.shape[0], k_cache.shape[1]
     z, wpq = attention_splits(n)
     decode = (done, out, *q8_args(q8)) if n == 1 else (np.uintp(0),) * 5
-    launch("attention", f"attention_partial_{hd}", (n_heads, _blocks(n, 4 // wpq), z), (128,),
+    launch("attention", N.per_head_dim("attention_partial", hd), (n_heads, _blocks(n, 4 // wpq), z), (128,),
            (q, i64(q.strides[0] // 4), k_cache, v_cache, i32(max_tokens), i32(n_heads), i32(n_kv), start,
             i32(n), i32(window), f32(scale * LOG2_E), i32(wpq), part, *decode))
     if n > 1:
         launch("attention", "attention_combine", (n, n_heads), (32 * _blocks(hd, 32),),
                (part, i32(n_heads), i32(hd), i32(z * wpq), out, i64(out.strides[0] // 4)))
+
+
+FLASH_ROWS = 64  # (token, query head) rows of a flash-attention block (flash_attention.cu FA_ROWS)
+
+
+def flash_attention_capable(n_heads: int, n_kv: int) -> bool:
+    """Whether prompt chunks attend on tensor cores (flash_attention.cu): a GPU with mma.sync m16n8k16 and
+    cp.async (compute capability 8.0; older ones keep attention()'s chunk path), and a GQA group that fits the
+    rows of one block."""
+    return _mma_capable() and n_heads // n_kv <= FLASH_ROWS
+
+
+def flash_attention(q, k_cache, v_cache, start, out, scale: float, window: int) -> None:
+    """A prompt chunk's attention in one kernel with no scratch: q (n, H, hd) strided view (rows 8-byte aligned),
+    its keys and values already in the cache (rope_store_kv); out (n, H*hd), rows 8-byte aligned. One block per
+    KV head and FLASH_ROWS // group tokens. Needs flash_attention_capable."""
+    n, n_heads, hd = q.shape
+    n_kv, max_tokens = k_cache.shape[0], k_cache.shape[1]
+    tokens = FLASH_ROWS // (n_heads // n_kv)
+    launch("flash_attention", N.per_head_dim("flash_attention", hd), (_blocks(n, tokens), n_kv), (128,),
+           (q, i64(q.strides[0] // 4), k_cache, v_cache, i32(max_tokens), i32(n_heads), i32(n_kv), start, i32(n),
+            i32(window), f32(scale * LOG2_E), out, i64(out.strides[0] // 4)))
 
 
 # ---- sampling ------------------------------------------------------------------------------------------

@@ -146,13 +146,14 @@ __device__ __forceinline__ void matvec_glu_q8(const Planes* w, const signed char
 }
 
 // Kernels of one shape (WPR warps a row set of R rows, matvec_q): a product, and the gate/up pair.
-#define MATVEC_SHAPE(name, B, shape, WPR, R)                                                                   \
+#define MATVEC_ONE(name, B, shape, WPR, R)                                                                     \
     extern "C" __global__ void matvec_##name##shape(const u8* q, const u8* h, const u8* s, const u8* d,       \
                                                     const signed char* xq, const signed char* xq2,            \
                                                     const float2* xds, float* out, int m, int k) {            \
         const Planes w[1] = {{q, h, s, d}};                                                                    \
         matvec_q<B, 1, WPR, R>(w, xq, xq2, xds, out, m, k, 0);                                                 \
-    }                                                                                                          \
+    }
+#define MATVEC_GLU(name, B, shape, WPR, R)                                                                     \
     extern "C" __global__ void matvec_glu_##name##shape(const u8* q, const u8* h, const u8* s, const u8* d,   \
                                                         const u8* q2, const u8* h2, const u8* s2, const u8* d2, \
                                                         const signed char* xq, const signed char* xq2,        \
@@ -161,12 +162,15 @@ __device__ __forceinline__ void matvec_glu_q8(const Planes* w, const signed char
         matvec_q<B, 2, WPR, R>(w, xq, xq2, xds, out, m, k, act);                                               \
     }
 
+// The shapes cuda.py's matvec_shape and glu_shape pick (kernel_names.SHAPES), and the fused gate/up pair.
 #define MATVEC_Q(name, B)                                                                                      \
-    MATVEC_SHAPE(name, B, _w1, 1, 1)                                                                           \
-    MATVEC_SHAPE(name, B, _w2, 2, 1)                                                                           \
-    MATVEC_SHAPE(name, B, _w4, 4, 1)                                                                           \
-    MATVEC_SHAPE(name, B, _w1_r2, 1, 2)                                                                        \
-    MATVEC_SHAPE(name, B, _w2_r2, 2, 2)                                                                        \
+    MATVEC_ONE(name, B, _w1, 1, 1)                                                                             \
+    MATVEC_ONE(name, B, _w2, 2, 1)                                                                             \
+    MATVEC_ONE(name, B, _w1_r2, 1, 2)                                                                          \
+    MATVEC_ONE(name, B, _w2_r2, 2, 2)                                                                          \
+    MATVEC_GLU(name, B, _w1, 1, 1)                                                                             \
+    MATVEC_GLU(name, B, _w2, 2, 1)                                                                             \
+    MATVEC_GLU(name, B, _w1_r2, 1, 2)                                                                          \
     extern "C" __global__ void __launch_bounds__(512) matvec_glu_q8_##name(                                   \
         const u8* q, const u8* h, const u8* s, const u8* d, const u8* q2, const u8* h2, const u8* s2,         \
         const u8* d2, const signed char* xq, const signed char* xq2, const float2* xds, float* out, int k,     \
@@ -175,6 +179,15 @@ __device__ __forceinline__ void matvec_glu_q8(const Planes* w, const signed char
         matvec_glu_q8<B>(w, xq, xq2, xds, out, k, act, oq, oq2, ods);                                          \
     }
 FOR_EACH_QUANT(MATVEC_Q)
+
+#ifdef SWEEP_KERNELS
+// Shapes only bench/gpu_kernels.py's sweeps launch (kernel_names.SWEEP_SHAPES): a module copy of their own.
+#define MATVEC_SWEEP(name, B)                                                                                  \
+    MATVEC_ONE(name, B, _w4, 4, 1)                                                                             \
+    MATVEC_GLU(name, B, _w4, 4, 1)                                                                             \
+    MATVEC_GLU(name, B, _w2_r2, 2, 2)
+FOR_EACH_QUANT(MATVEC_SWEEP)
+#endif
 
 // Streamed decode products, for large matrices: a persistent grid whose blocks have one thread per group of a row
 // (k / 32 threads), so each thread holds its group of x in registers for the whole kernel and its loop reads
@@ -234,10 +247,20 @@ __device__ __forceinline__ void matvec_stream(const Planes& w, const signed char
         const float2* xds, float* out, int m, int k) {                                                         \
         matvec_stream<B>({q, h, s, d}, xq, xq2, xds, out, m, k);                                               \
     }
-#define MATVEC_STREAM(name, B)                                                                                 \
-    MATVEC_STREAM_FORM(name, B, , )                                                                            \
-    MATVEC_STREAM_FORM(name, B, _lean, __launch_bounds__(1024, 2))
+#define MATVEC_STREAM(name, B) MATVEC_STREAM_FORM(name, B, , )
+#define MATVEC_STREAM_LEAN(name, B) MATVEC_STREAM_FORM(name, B, _lean, __launch_bounds__(1024, 2))
 FOR_EACH_QUANT(MATVEC_STREAM)
+MATVEC_STREAM_LEAN(q4_0, BlockQ4_0)  // kernel_names.LEAN_STREAM_TYPES
+#ifdef SWEEP_KERNELS
+// The 32-register form of the other types: never chosen, kept to be measured.
+MATVEC_STREAM_LEAN(q4_1, BlockQ4_1)
+MATVEC_STREAM_LEAN(q5_0, BlockQ5_0)
+MATVEC_STREAM_LEAN(q5_1, BlockQ5_1)
+MATVEC_STREAM_LEAN(q8_0, BlockQ8_0)
+MATVEC_STREAM_LEAN(q4_k, BlockQ4_K)
+MATVEC_STREAM_LEAN(q5_k, BlockQ5_K)
+MATVEC_STREAM_LEAN(q6_k, BlockQ6_K)
+#endif
 
 // Float weights: x stays float32; each lane reads 8 weights (16 bytes for fp16/bf16) per step.
 template <class W, int NW>

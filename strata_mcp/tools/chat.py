@@ -2,34 +2,44 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Literal
 
 from mcp.types import ToolAnnotations
 from pydantic import BaseModel, Field, model_validator
 
-from engine import GenerationSettings
+from engine import DamagedModel, GenerationSettings
 from strata_mcp.reports import ChatTimings
 from strata_mcp.runtime import Runtime, UserError
-from strata_mcp.tooling import Reporter, ToolSpec
+from strata_mcp.tooling import Reporter, ToolInput, ToolSpec
 
 
-class ChatMessage(BaseModel):
+# The defaults are GenerationSettings' own; the fields it shares with the input become the settings.
+DEFAULTS = GenerationSettings()
+SETTING_NAMES = {f.name for f in dataclasses.fields(GenerationSettings)}
+
+
+class ChatMessage(ToolInput):
     role: Literal["system", "user", "assistant"]
     content: str
 
 
-class ChatInput(BaseModel):
+class ChatInput(ToolInput):
     messages: list[ChatMessage] | None = Field(
         None, description="The conversation so far, oldest first, ending with the user's turn. Give this or prompt."
     )
     prompt: str | None = Field(None, description="A single user message (shorthand for messages=[{role: user, content: prompt}]).")
-    max_tokens: int = Field(512, ge=1, le=32768, description="Most tokens to generate.")
-    temperature: float = Field(0.7, ge=0, le=5, description="0 = greedy (deterministic).")
-    top_k: int = Field(40, ge=0, le=100000, description="Keep the k most likely tokens (0 = off).")
-    top_p: float = Field(0.95, gt=0, le=1, description="Nucleus sampling threshold (1 = off).")
-    min_p: float = Field(0.05, ge=0, le=1, description="Drop tokens less likely than min_p x the top token (0 = off).")
-    repeat_penalty: float = Field(1.0, ge=0.5, le=3, description="Penalty for tokens already in the text (1 = off).")
-    seed: int | None = Field(None, ge=0, description="Fixes the sampling for a reproducible answer.")
+    max_tokens: int = Field(DEFAULTS.max_tokens, ge=1, le=32768, description="Most tokens to generate.")
+    temperature: float = Field(DEFAULTS.temperature, ge=0, le=5, description="0 = greedy (deterministic).")
+    top_k: int = Field(DEFAULTS.top_k, ge=0, le=100000, description="Keep the k most likely tokens (0 = off).")
+    top_p: float = Field(DEFAULTS.top_p, gt=0, le=1, description="Nucleus sampling threshold (1 = off).")
+    min_p: float = Field(
+        DEFAULTS.min_p, ge=0, le=1, description="Drop tokens less likely than min_p x the top token (0 = off)."
+    )
+    repeat_penalty: float = Field(
+        DEFAULTS.repeat_penalty, ge=0.5, le=3, description="Penalty for tokens already in the text (1 = off)."
+    )
+    seed: int | None = Field(DEFAULTS.seed, ge=0, description="Fixes the sampling for a reproducible answer.")
     stop: list[str] = Field(default_factory=list, max_length=16, description="Stop when any of these strings appears.")
     raw: bool = Field(
         False, description="With prompt: continue the text as it is, without the chat template (for base models that have none)."
@@ -51,10 +61,7 @@ class ChatInput(BaseModel):
         return [{"role": "user", "content": self.prompt or ""}]
 
     def settings(self) -> GenerationSettings:
-        return GenerationSettings(
-            max_tokens=self.max_tokens, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
-            min_p=self.min_p, repeat_penalty=self.repeat_penalty, seed=self.seed, stop=list(self.stop),
-        )
+        return GenerationSettings(**self.model_dump(include=SETTING_NAMES))
 
 
 class ChatOutput(BaseModel):
@@ -81,23 +88,23 @@ def run(runtime: Runtime, args: ChatInput, reporter: Reporter) -> ChatOutput:
                 "to have it continue the text."
             )
         should_stop = lambda: cancel_event.is_set() or reporter.cancelled()  # noqa: E731
-        if args.raw:
-            result = model.complete(args.prompt or "", args.settings(), on_text=on_text, should_stop=should_stop)
-        else:
-            result = model.chat(args.conversation(), args.settings(), on_text=on_text, should_stop=should_stop)
-    timings = ChatTimings(
-        prompt_tokens=result.prompt_tokens, cached_prompt_tokens=result.cached_prompt_tokens,
-        completion_tokens=result.completion_tokens, prompt_seconds=result.prompt_seconds,
-        decode_seconds=result.decode_seconds, prompt_tokens_per_second=result.prompt_tokens_per_second,
-        output_tokens_per_second=result.output_tokens_per_second,
-    )
-    runtime.slot.last_chat = timings.model_dump()
+        try:
+            if args.raw:
+                result = model.complete(args.prompt or "", args.settings(), on_text=on_text, should_stop=should_stop)
+            else:
+                result = model.chat(args.conversation(), args.settings(), on_text=on_text, should_stop=should_stop)
+        except DamagedModel:
+            model_id = runtime.slot.model_id
+            raise UserError(f"{model_id} computed invalid numbers (NaN or infinity), so its file is damaged: call stop, "
+                            f"then install model={model_id} verify=true, which checks every byte and downloads a "
+                            "damaged file again.") from None
+    runtime.record_chat(model, result)
     summary = (
         f"{result.completion_tokens} tokens ({result.finish_reason}) at {result.output_tokens_per_second:.1f} tokens/s; "
         f"prompt {result.prompt_tokens} tokens at {result.prompt_tokens_per_second:.0f} tokens/s."
     )
     return ChatOutput(summary=summary, text=result.text, finish_reason=result.finish_reason,
-                      model=runtime.slot.model_id or "", timings=timings)
+                      model=runtime.slot.model_id or "", timings=ChatTimings.model_validate(result))
 
 
 SPEC = ToolSpec(

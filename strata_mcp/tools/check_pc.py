@@ -7,10 +7,10 @@ from pydantic import BaseModel, Field
 
 from setup_logic.hardware import PcReport, probe
 from strata_mcp.runtime import Runtime, engine_profile
-from strata_mcp.tooling import Reporter, ToolSpec
+from strata_mcp.tooling import Reporter, ToolInput, ToolSpec
 
 
-class CheckPcInput(BaseModel):
+class CheckPcInput(ToolInput):
     """check_pc takes no arguments."""
 
 

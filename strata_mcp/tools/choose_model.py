@@ -5,18 +5,18 @@ from __future__ import annotations
 from typing import Literal
 
 from mcp.types import ToolAnnotations
-from pydantic import BaseModel, Field
+from pydantic import Field
 
 from setup_logic.catalog import load_catalog
 from setup_logic.fit import Preferences, Recommendation, recommend
 from setup_logic.hardware import probe
 from strata_mcp.runtime import Runtime, engine_profile
-from strata_mcp.tooling import Reporter, ToolSpec
+from strata_mcp.tooling import Reporter, ToolInput, ToolSpec
 
 GIB = 1024**3
 
 
-class ChooseModelInput(BaseModel):
+class ChooseModelInput(ToolInput):
     goal: Literal["code", "chat", "speed", "quality"] = Field(
         "chat", description="What matters most: code, chat, speed (tokens/s) or quality."
     )

@@ -8,15 +8,20 @@ from typing import Literal
 from mcp.types import ToolAnnotations
 from pydantic import BaseModel, Field
 
-from setup_logic.install import InstallPlan, InstallProgress
+from setup_logic.install import FINISHED, Installer, InstallPlan, InstallProgress
 from strata_mcp.runtime import DEFAULT_MODEL, Runtime
-from strata_mcp.tooling import Reporter, ToolSpec
+from strata_mcp.tooling import Reporter, ToolInput, ToolSpec
 
 
-class InstallInput(BaseModel):
+class InstallInput(ToolInput):
     model: str = Field(DEFAULT_MODEL, description="Catalog id from choose_model.")
     confirm: bool = Field(False, description="false: only show the plan (nothing is written). true: download and verify.")
     cancel: bool = Field(False, description="Stop a running install; its partial bytes are kept for a later resume.")
+    verify: bool = Field(
+        False,
+        description="With confirm, for a model already installed: hash every file again in full (sha256) and download "
+        "again any that changed. Without it, an installed model gets the quick check (size, date, sampled blocks).",
+    )
     wait_seconds: float = Field(
         30.0, ge=0, le=3600,
         description="With confirm: how long to wait (reporting progress) before returning; the download goes on in the background.",
@@ -26,14 +31,16 @@ class InstallInput(BaseModel):
 class InstallOutput(BaseModel):
     summary: str
     model: str
-    action: Literal["plan", "cancelled", "installing", "installed", "failed"]
+    action: Literal["plan", "cancelled", "installing", "installed", "failed", "idle"] = Field(
+        description="idle: cancel found no install of this model running and the model is not installed.")
     plan: InstallPlan | None = None
     progress: InstallProgress | None = None
 
 
 def _describe(progress: InstallProgress) -> str:
     if progress.state == "installed":
-        return f"{progress.model_id} is installed and verified; next: start."
+        checked = "verified" if progress.verified is not False else "unverified (no sha256 is published for it)"
+        return f"{progress.model_id} is installed and {checked}; next: start."
     if progress.state == "failed":
         return f"Install of {progress.model_id} failed: {progress.error}"
     if progress.state == "cancelled":
@@ -51,16 +58,32 @@ def _action(progress: InstallProgress) -> str:
     return {"installed": "installed", "failed": "failed", "cancelled": "cancelled"}.get(progress.state, "installing")
 
 
+def _cancel(installer: Installer, model: str) -> InstallOutput:
+    progress = installer.progress(model)
+    if progress is not None and progress.state not in FINISHED:
+        progress = installer.cancel(model)
+        if progress.state == "cancelled":
+            return InstallOutput(summary=_describe(progress), model=model, action="cancelled", progress=progress)
+    nothing = f"No install of {model} is running, so nothing was cancelled"
+    if installer.is_installed(model):
+        return InstallOutput(summary=f"{nothing}; {model} is installed; next: start.", model=model,
+                             action="installed", progress=progress)
+    if progress is not None:
+        return InstallOutput(summary=f"{nothing}; its last install ended {progress.state}.", model=model,
+                             action=_action(progress), progress=progress)
+    return InstallOutput(summary=f"{nothing}; call install with confirm=true to start one.", model=model,
+                         action="idle")
+
+
 def run(runtime: Runtime, args: InstallInput, reporter: Reporter) -> InstallOutput:
     installer = runtime.installer
     if args.cancel:
-        progress = installer.cancel(args.model)
-        return InstallOutput(summary=_describe(progress), model=args.model, action="cancelled", progress=progress)
+        return _cancel(installer, args.model)
     if not args.confirm:
         plan = installer.plan(args.model)
         return InstallOutput(summary=plan.summary, model=args.model, action="plan", plan=plan)
 
-    progress = installer.start(args.model)
+    progress = installer.start(args.model, verify=args.verify)
     deadline = time.monotonic() + args.wait_seconds
     while progress.state in ("queued", "downloading", "verifying") and time.monotonic() < deadline:
         if reporter.cancelled():
@@ -77,9 +100,11 @@ SPEC = ToolSpec(
     description=(
         "Download a model into the data folder. Without confirm it returns the plan (bytes, free disk, "
         "whether it fits) and writes nothing; show it to the person. With confirm=true it starts a "
-        "background download (resumable; size and sha256 verified before the model counts as installed), "
-        "reports progress for up to wait_seconds, and returns; call again with confirm=true to follow it, "
-        "or cancel=true to stop it (partial bytes are kept, so a later confirm resumes)."
+        "background download of the hub commit the plan names (resumable; size and sha256 verified before the "
+        "model counts as installed, or marked unverified where no sha256 is published), reports progress for up "
+        "to wait_seconds, and returns; call again with confirm=true to follow it, or cancel=true to stop it "
+        "(partial bytes are kept, so a later confirm resumes). For an installed model, confirm=true checks its "
+        "files again (verify=true: in full) and downloads again any that changed."
     ),
     input_model=InstallInput,
     output_model=InstallOutput,

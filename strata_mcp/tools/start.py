@@ -11,13 +11,14 @@ from setup_logic.catalog import get_model
 from setup_logic.errors import UnknownModelError
 from setup_logic.fit import Preferences, fit_model
 from setup_logic.hardware import probe
+from strata_mcp.http.serving import serve
 from strata_mcp.reports import EngineStatus, engine_status
 from strata_mcp.runtime import Runtime, UserError, engine_profile
-from strata_mcp.tooling import Reporter, ToolSpec
+from strata_mcp.tooling import Reporter, ToolInput, ToolSpec
 
 
-class StartInput(BaseModel):
-    model: str | None = Field(None, description="Installed model id; default: the only installed model, or the embedded default.")
+class StartInput(ToolInput):
+    model: str | None = Field(None, description="Installed model id; default: the only installed model (with several installed, give one).")
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="auto: the GPU when an NVIDIA GPU with CUDA and CuPy is usable, else the CPU."
     )
@@ -26,11 +27,17 @@ class StartInput(BaseModel):
         description="Tokens of context; default: the context choose_model picks for this model on this PC.",
     )
     wait_seconds: float = Field(120.0, ge=0, le=3600, description="How long to wait for the load (reporting progress) before returning 'loading'.")
+    serve: bool = Field(
+        False, description="Also serve the model to other apps: an OpenAI- and Anthropic-compatible endpoint on "
+        "127.0.0.1 (connect_info says how apps connect)."
+    )
+    port: int | None = Field(None, ge=1, le=65535, description="The endpoint's port; default: the one used last time, else a free one.")
 
 
 class StartOutput(BaseModel):
     summary: str
     engine: EngineStatus
+    endpoint: str | None = Field(None, description="The HTTP endpoint's base URL while it serves.")
 
 
 def _pick_model(runtime: Runtime, requested: str | None) -> str:
@@ -66,10 +73,15 @@ def run(runtime: Runtime, args: StartInput, reporter: Reporter) -> StartOutput:
             f"loaded in {slot.load_seconds:.1f} s; next: chat."
         )
     elif slot.state == "loading":
-        summary = f"{model_id} is still loading ({slot.load.message}); call status or start again to follow it."
+        where = f" ({slot.load.message})" if slot.load.message else ""
+        summary = f"{model_id} is still loading{where}; call status or start again to follow it."
     else:
         summary = f"{model_id} did not load: {slot.error}"
-    return StartOutput(summary=summary, engine=status)
+    endpoint = None
+    if args.serve and slot.state != "failed":
+        endpoint = serve(runtime, port=args.port).base_url
+        summary += f" Serving at {endpoint}/v1 (OpenAI) and {endpoint} (Anthropic); connect_info has app settings."
+    return StartOutput(summary=summary, engine=status, endpoint=endpoint)
 
 
 SPEC = ToolSpec(
@@ -77,8 +89,9 @@ SPEC = ToolSpec(
     title="Start (load) a model",
     description=(
         "Load an installed model into the in-process engine (GPU when available, else CPU) and wait up to "
-        "wait_seconds, reporting progress; returns 'ready' or 'loading'. One model is loaded at a time: "
-        "stop the current one first. Says which backend was chosen and why."
+        "wait_seconds, reporting progress; returns 'ready' or 'loading' (call start again to follow a load). "
+        "model may be left out only when exactly one model is installed. One model is loaded at a time: stop the "
+        "current one first to switch. Says which backend was chosen and why."
     ),
     input_model=StartInput,
     output_model=StartOutput,

@@ -9,10 +9,10 @@ from setup_logic.install import InstallProgress
 from setup_logic.store import InstalledModel
 from strata_mcp.reports import EngineStatus, engine_status
 from strata_mcp.runtime import Runtime
-from strata_mcp.tooling import Reporter, ToolSpec
+from strata_mcp.tooling import Reporter, ToolInput, ToolSpec
 
 
-class StatusInput(BaseModel):
+class StatusInput(ToolInput):
     """status takes no arguments."""
 
 
@@ -35,7 +35,9 @@ def run(runtime: Runtime, args: StatusInput, reporter: Reporter) -> StatusOutput
     else:
         head = f"{engine.model}: {engine.state}" + (f" on {engine.backend}" if engine.backend else "")
     running = [j for j in installs if j.state in ("queued", "downloading", "verifying")]
-    summary = f"{head}; {len(installed)} model(s) installed" + (f"; {len(running)} install(s) running" if running else "") + "."
+    unverified = sum(not m.verified for m in installed)
+    summary = (f"{head}; {len(installed)} model(s) installed" + (f" ({unverified} unverified)" if unverified else "")
+               + (f"; {len(running)} install(s) running" if running else "") + ".")
     warnings = [runtime.store.registry_warning] if runtime.store.registry_warning else []
     return StatusOutput(
         summary=summary, engine=engine, installed=installed, installs=installs,

@@ -7,10 +7,10 @@ from pydantic import BaseModel, Field
 
 from strata_mcp.reports import MemoryReport, memory_report
 from strata_mcp.runtime import EngineSlot, Runtime
-from strata_mcp.tooling import Reporter, ToolSpec
+from strata_mcp.tooling import Reporter, ToolInput, ToolSpec
 
 
-class StopInput(BaseModel):
+class StopInput(ToolInput):
     force: bool = Field(False, description="Also cancel a chat that is running (otherwise stop refuses while busy).")
 
 

@@ -1,0 +1,217 @@
+// Causal grouped-query attention of a prompt chunk over the fp16 KV cache on tensor cores (flash attention, sm_80+).
+//
+// A block takes one KV head and FA_ROWS (token, query head) rows: consecutive tokens of the chunk, each with all
+// the query heads that share the KV head, so a K/V tile staged in shared memory serves the whole GQA group. Each
+// of the 4 warps owns 16 rows: its queries stay in registers as mma A fragments, the scores of a key tile
+// (mma.sync m16n8k16, fp32) get an online softmax in base 2, and the probabilities are repacked in registers as
+// the A fragments of P.V, so no score matrix is ever stored. K and V tiles arrive by cp.async into one buffer
+// each: V of a tile loads while its scores are computed, the next K while its softmax and P.V run. Key tiles past
+// the block's last query position are never visited; only tiles the causal diagonal or the sliding window cross
+// are masked element by element.
+//
+// The chunk's first position comes from start[0] in device memory (its keys and values already stored in the
+// cache by rope_store_kv).
+
+constexpr int FA_ROWS = 64;  // (token, query head) rows a block; cuda.py FLASH_ROWS
+constexpr int FA_THREADS = 128;
+
+__device__ __forceinline__ void ldsm_x4(u32 (&r)[4], const u16* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"((u32)__cvta_generic_to_shared(p)));
+}
+
+__device__ __forceinline__ void ldsm_x4_trans(u32 (&r)[4], const u16* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"((u32)__cvta_generic_to_shared(p)));
+}
+
+// c += a (16 x 16, row) . b (16 x 8, col), fp16 inputs, fp32 accumulation.
+__device__ __forceinline__ void mma_f16(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+    __trap();  // cuda.py sends older GPUs to attention.cu's chunk path
+#endif
+}
+
+__device__ __forceinline__ u32 half2_bits(float a, float b) { return (u32)f2h(a) | ((u32)f2h(b) << 16); }
+
+// 16 bytes from global to shared memory, bypassing L1; zeros where !fill (keys past the block's range).
+__device__ __forceinline__ void copy16(u16* dst, const u16* src, bool fill) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"((u32)__cvta_generic_to_shared(dst)), "l"(src),
+                 "r"(fill ? 16 : 0)
+                 : "memory");
+#else
+    *reinterpret_cast<uint4*>(dst) = fill ? __ldg(reinterpret_cast<const uint4*>(src)) : make_uint4(0, 0, 0, 0);
+#endif
+}
+
+__device__ __forceinline__ void copies_commit() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void copies_wait() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+#endif
+}
+
+// Keys (or values) j0 .. j0 + KT - 1 of one KV head into a shared tile of rows padded to D + 8 halves (ldmatrix's
+// eight row addresses then fall in distinct banks); rows from `end` on are zeros.
+template <int D, int KT>
+__device__ __forceinline__ void load_tile(u16 (*tile)[D + 8], const u16* __restrict__ base, int j0, int end) {
+    constexpr int PER_ROW = D / 8;
+#pragma unroll
+    for (int i = 0; i < KT * PER_ROW / FA_THREADS; ++i) {
+        const int c = i * FA_THREADS + threadIdx.x;
+        const int row = c / PER_ROW, col = 8 * (c % PER_ROW);
+        const bool in = j0 + row < end;
+        copy16(&tile[row][col], base + (long)(in ? j0 + row : 0) * D + col, in);
+    }
+    copies_commit();
+}
+
+template <int D>
+__device__ __forceinline__ void flash_attention_impl(const float* __restrict__ q, long q_stride,
+                                                     const u16* __restrict__ k_cache, const u16* __restrict__ v_cache,
+                                                     int max_tokens, int n_heads, int n_kv,
+                                                     const int* __restrict__ start, int n, int window,
+                                                     float scale_log2, float* __restrict__ out, long out_stride) {
+    constexpr int KT = D <= 128 ? 64 : 32;  // keys a tile (head dim 256: fewer, for registers and shared memory)
+    constexpr int DK = D / 16, DN = D / 8, KN = KT / 8;
+    __shared__ __align__(16) u16 ks[KT][D + 8];
+    __shared__ __align__(16) u16 vs[KT][D + 8];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int group = n_heads / n_kv, kvh = blockIdx.y;
+    const int tokens = FA_ROWS / group;                       // tokens a block
+    const int t0 = (gridDim.x - 1 - blockIdx.x) * tokens;     // the longest key ranges start first
+    grid_dependency_sync();
+    const int first = start[0];
+    const int pos_lo = first + t0, pos_hi = first + min(t0 + tokens, n) - 1;
+
+    // This thread's two rows (g and g + 8 of its warp's 16): their position, head, and whether they are real
+    // (a row past the chunk or past tokens * group computes on a clamped token and stores nothing).
+    int pos[2], head[2], tok[2];
+    bool real[2];
+    u32 qa[DK][4];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int r = 16 * warp + g + 8 * h;
+        tok[h] = min(t0 + r / group, n - 1);
+        real[h] = r < tokens * group && t0 + r / group < n;
+        pos[h] = first + tok[h];
+        head[h] = kvh * group + r % group;
+        const float* qr = q + (long)tok[h] * q_stride + (long)head[h] * D + 2 * t;
+#pragma unroll
+        for (int kk = 0; kk < DK; ++kk) {
+            const float2 lo = __ldg(reinterpret_cast<const float2*>(qr + 16 * kk));
+            const float2 hi = __ldg(reinterpret_cast<const float2*>(qr + 16 * kk + 8));
+            qa[kk][h] = half2_bits(lo.x * scale_log2, lo.y * scale_log2);     // A fragment: a0 / a1 rows g / g + 8,
+            qa[kk][2 + h] = half2_bits(hi.x * scale_log2, hi.y * scale_log2);  // a2 / a3 the same 8 dims on
+        }
+    }
+
+    const u16* kb = k_cache + (long)kvh * max_tokens * D;
+    const u16* vb = v_cache + (long)kvh * max_tokens * D;
+    const int end = pos_hi + 1;
+    const int j_first = (window > 0 ? max(0, pos_lo - window + 1) : 0) / KT * KT;
+    float o[DN][4] = {};
+    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
+    load_tile<D, KT>(ks, kb, j_first, end);
+    for (int j0 = j_first; j0 < end; j0 += KT) {
+        copies_wait();
+        __syncthreads();  // K tile landed; every warp is past its P.V on the previous V tile
+        load_tile<D, KT>(vs, vb, j0, end);
+
+        float s[KN][4] = {};
+#pragma unroll
+        for (int kk = 0; kk < DK; ++kk)
+#pragma unroll
+            for (int nb = 0; nb < KN; nb += 2) {
+                u32 b[4];
+                ldsm_x4(b, &ks[8 * nb + (lane & 7) + (lane >> 4) * 8][16 * kk + ((lane >> 3) & 1) * 8]);
+                mma_f16(s[nb], qa[kk], b[0], b[1]);
+                mma_f16(s[nb + 1], qa[kk], b[2], b[3]);
+            }
+        // s[nb][2 h + e]: row g + 8 h, key j0 + 8 nb + 2 t + e.
+        if (j0 + KT - 1 > pos_lo || (window > 0 && j0 <= pos_hi - window)) {
+#pragma unroll
+            for (int nb = 0; nb < KN; ++nb)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int key = j0 + 8 * nb + 2 * t + (e & 1), p = pos[e >> 1];
+                    if (key > p || (window > 0 && key <= p - window)) s[nb][e] = NEG_INF;
+                }
+        }
+        u32 pa[KT / 16][4];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float mx = NEG_INF;
+#pragma unroll
+            for (int nb = 0; nb < KN; ++nb) mx = fmaxf(mx, fmaxf(s[nb][2 * h], s[nb][2 * h + 1]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 2));
+            const float m_new = fmaxf(m[h], mx);
+            const float base = m_new == NEG_INF ? 0.0f : m_new;  // a row with every key so far masked
+            const float corr = exp2f(m[h] - base);
+            m[h] = m_new;
+            float sum = 0.0f;
+#pragma unroll
+            for (int nb = 0; nb < KN; ++nb) {
+                const float p0 = exp2f(s[nb][2 * h] - base), p1 = exp2f(s[nb][2 * h + 1] - base);
+                sum += p0 + p1;
+                // As the A fragment of P.V: keys 16 kk .. + 15 are score blocks 2 kk (a0, a1) and 2 kk + 1 (a2, a3).
+                pa[nb / 2][2 * (nb & 1) + h] = half2_bits(p0, p1);
+            }
+            l[h] = l[h] * corr + sum;
+#pragma unroll
+            for (int db = 0; db < DN; ++db) {
+                o[db][2 * h] *= corr;
+                o[db][2 * h + 1] *= corr;
+            }
+        }
+        copies_wait();
+        __syncthreads();  // V tile landed; every warp is past its scores on this K tile
+        if (j0 + KT < end) load_tile<D, KT>(ks, kb, j0 + KT, end);
+#pragma unroll
+        for (int kk = 0; kk < KT / 16; ++kk)
+#pragma unroll
+            for (int db = 0; db < DN; db += 2) {
+                u32 b[4];
+                ldsm_x4_trans(b, &vs[16 * kk + (lane & 7) + ((lane >> 3) & 1) * 8][8 * db + (lane >> 4) * 8]);
+                mma_f16(o[db], pa[kk], b[0], b[1]);
+                mma_f16(o[db + 1], pa[kk], b[2], b[3]);
+            }
+    }
+
+    // o[db][2 h + e]: row g + 8 h, dim 8 db + 2 t + e; the row's sum is spread over the 4 lanes of its quad.
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        float sum = l[h];
+        sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 1);
+        sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 2);
+        if (!real[h]) continue;
+        const float inv = 1.0f / sum;
+        float* orow = out + (long)tok[h] * out_stride + (long)head[h] * D + 2 * t;
+#pragma unroll
+        for (int db = 0; db < DN; ++db)
+            *reinterpret_cast<float2*>(orow + 8 * db) = make_float2(o[db][2 * h] * inv, o[db][2 * h + 1] * inv);
+    }
+}
+
+#define FLASH_ATTENTION(D)                                                                                        \
+    extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_attention_##D(                               \
+        const float* q, long q_stride, const u16* k_cache, const u16* v_cache, int max_tokens, int n_heads,      \
+        int n_kv, const int* start, int n, int window, float scale_log2, float* out, long out_stride) {          \
+        flash_attention_impl<D>(q, q_stride, k_cache, v_cache, max_tokens, n_heads, n_kv, start, n, window,       \
+                                scale_log2, out, out_stride);                                                     \
+    }
+FLASH_ATTENTION(64)
+FLASH_ATTENTION(128)
+FLASH_ATTENTION(256)

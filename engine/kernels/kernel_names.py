@@ -1,0 +1,116 @@
+"""The entry names the launchers in cuda.py build for the kernels that the macros of engine/kernels/*.cu
+instantiate, and the data they are built from: weight types (FOR_EACH_QUANT and FOR_EACH_FLOAT in
+quant_blocks.cuh, suffixes from gpu_layout), decode product shapes and forms, head sizes. Plain Python, so
+tests/test_kernel_sources.py checks every name the launchers can build against the entries NVRTC compiles.
+
+Kernels the backend never chooses but that are kept to be measured (SWEEP_SHAPES, which bench/gpu_kernels.py
+sweeps, and the 32-register streamed form of the types outside LEAN_STREAM_TYPES) compile only under SWEEP_OPTION:
+a launch of one builds that copy of its module (cuda.module), and the modules the backend launches from lack them.
+"""
+
+from __future__ import annotations
+
+from gguf import GGMLQuantizationType as T
+
+from engine.kernels.gpu_layout import FLOAT_TYPES, KERNEL_SUFFIX, PLANES
+
+QUANT_TYPES = tuple(PLANES)
+FLOAT_WEIGHTS = tuple(FLOAT_TYPES)
+ALL_TYPES = QUANT_TYPES + FLOAT_WEIGHTS
+# Kernels built once per weight type: kind -> (module, the types).
+PER_TYPE = {
+    "matvec": ("matvec", FLOAT_WEIGHTS),  # quantized weights have shaped() and stream() products
+    "matvec_glu": ("matvec", FLOAT_WEIGHTS),
+    "matvec_glu_q8": ("matvec", QUANT_TYPES),
+    "moe_gate_up": ("matvec", ALL_TYPES),
+    "moe_down": ("matvec", ALL_TYPES),
+    "matmul": ("matmul", QUANT_TYPES),
+    "matmul_glu": ("matmul", QUANT_TYPES),
+}
+# Quantized decode products of matvec.cu by kernel shape: kind -> (warps per row set, rows per set).
+SHAPES = {"matvec": ((1, 1), (2, 1), (1, 2), (2, 2)), "matvec_glu": ((1, 1), (2, 1), (1, 2))}
+SWEEP_SHAPES = {"matvec": ((4, 1),), "matvec_glu": ((4, 1), (2, 2))}  # matvec.cu, #ifdef SWEEP_KERNELS
+SWEEP_OPTION = "-DSWEEP_KERNELS"
+STREAM_FORMS = ("", "_lean")  # matvec_stream: plain, and at 32 registers
+LEAN_STREAM_TYPES = (T.Q4_0,)  # where the 32-register form paid on an H200 (8B Q4_0); the others' are sweep-only
+HEAD_DIMS = (64, 128, 256)  # head sizes the attention kernels are built for
+# Attention kernels built per head size: kind -> (module, the oldest compute capability, major * 10 + minor, they
+# are built for).
+PER_HEAD_DIM = {"attention_partial": ("attention", 75), "flash_attention": ("flash_attention", 75)}
+# Decode attention built per head size and query slots a block (the GQA group, rounded up to 4 or 8): kind ->
+# (module, oldest capability, head size -> slots). attention.cu builds the cluster form under __CUDA_ARCH__ >= 900,
+# and no 8-slot cluster form at 256 dims (it would pass 48 KB of static shared memory).
+PER_GROUP = {
+    "attention_decode": ("attention", 90, {64: (4, 8), 128: (4, 8), 256: (4,)}),
+    "attention_decode_split": ("attention", 75, {hd: (4, 8) for hd in HEAD_DIMS}),
+}
+
+
+def typed(kind: str, qtype: T) -> str:
+    if qtype not in PER_TYPE[kind][1]:
+        raise ValueError(f"{kind} has no kernel for {qtype.name} weights")
+    return f"{kind}_{KERNEL_SUFFIX[qtype]}"
+
+
+def shaped(kind: str, qtype: T, shape: tuple[int, int]) -> str:
+    if qtype not in QUANT_TYPES or shape not in SHAPES[kind] + SWEEP_SHAPES[kind]:
+        raise ValueError(f"{kind} has no kernel of shape {shape} for {qtype.name} weights")
+    wpr, rows = shape
+    return f"{kind}_{KERNEL_SUFFIX[qtype]}_w{wpr}" + ("_r2" if rows == 2 else "")
+
+
+def stream_forms(qtype: T) -> tuple[str, ...]:
+    """The streamed product's forms the backend chooses from for this type (cuda._stream_grid)."""
+    return STREAM_FORMS if qtype in LEAN_STREAM_TYPES else STREAM_FORMS[:1]
+
+
+def stream(qtype: T, form: str) -> str:
+    if qtype not in QUANT_TYPES or form not in STREAM_FORMS:
+        raise ValueError(f"matvec_stream has no form {form!r} for {qtype.name} weights")
+    return f"matvec_stream{form}_{KERNEL_SUFFIX[qtype]}"
+
+
+def dequant(qtype: T, half: bool) -> str:
+    return f"dequant_{KERNEL_SUFFIX[qtype]}_{'f16' if half else 'f32'}"
+
+
+def per_head_dim(kind: str, head_dim: int) -> str:
+    if kind not in PER_HEAD_DIM or head_dim not in HEAD_DIMS:
+        raise ValueError(f"{kind} has no kernel for heads of {head_dim}")
+    return f"{kind}_{head_dim}"
+
+
+def per_group(kind: str, head_dim: int, slots: int) -> str:
+    if kind not in PER_GROUP or slots not in PER_GROUP[kind][2].get(head_dim, ()):
+        raise ValueError(f"{kind} has no kernel for heads of {head_dim} with {slots} query slots")
+    return f"{kind}_{head_dim}_g{slots}"
+
+
+def built(capability: int, sweep: bool = False) -> dict[str, set[str]]:
+    """Per module, every name the functions above build from their data for a GPU of this compute capability:
+    the kernels of the modules the backend launches from, or (sweep) the ones only their sweep copies add."""
+    names: dict[str, set[str]] = {}
+
+    def add(module: str, new: set[str]) -> None:
+        names[module] = names.get(module, set()) | new
+
+    for kind, shapes in (SWEEP_SHAPES if sweep else SHAPES).items():
+        add("matvec", {shaped(kind, t, s) for s in shapes for t in QUANT_TYPES})
+    streams = {stream(t, form) for t in QUANT_TYPES for form in stream_forms(t)}
+    if sweep:
+        add("matvec", {stream(t, form) for t in QUANT_TYPES for form in STREAM_FORMS} - streams)
+        return names
+    add("matvec", streams)
+    for kind, (module, types) in PER_TYPE.items():
+        add(module, {typed(kind, t) for t in types})
+    add("dequant", {dequant(t, half) for t in ALL_TYPES for half in (False, True)})
+    for kind, (module, oldest) in PER_HEAD_DIM.items():
+        if capability >= oldest:
+            add(module, {per_head_dim(kind, hd) for hd in HEAD_DIMS})
+    for kind, (module, oldest, slots) in PER_GROUP.items():
+        if capability >= oldest:
+            add(module, {per_group(kind, hd, g) for hd, gs in slots.items() for g in gs})
+    return names
+
+
+SWEEP_ONLY = frozenset(set().union(*built(75, sweep=True).values()))
