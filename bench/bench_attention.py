@@ -4,8 +4,7 @@ Prints one JSON line per (kernel, depth): a prompt chunk's attention over a cach
 positions, by flash attention (engine/kernels/flash_attention.cu) and by attention.cu's chunk path, in
 microseconds and TFLOP/s (2 products of 2 flops per query, key and head dim), timed with CUDA events over launches
 queued back to back after a warm-up; and one decode step's attention (rotary, cache write and output quantization
-included) by attention_decode (splitting by KV head at every depth, from SPLIT_DEPTH, or never) and by
-attention_decode_split (the form of GPUs before sm_90) at two split counts, in microseconds and the TB/s
+included) by attention_decode and by attention_decode_split at several split counts, in microseconds and the TB/s
 of the keys and values it reads, timed as a replayed graph (graph_us).
 
 Usage: python bench/bench_attention.py [--heads 32] [--kv-heads 8] [--head-dim 128] [--chunk 512]
@@ -104,12 +103,9 @@ def main() -> None:
     done = K.counters(kv)
     decode = {}
     if K.cluster_decode_attention():
-        part_c = cupy.empty(h * K.cluster_decode_splits(h, kv) * (hd + 2), cupy.float32)
-        for split_depth in (0, K.SPLIT_DEPTH, 2**30):  # split at every depth, from SPLIT_DEPTH, never
-            decode[f"attention_decode/split_depth={split_depth}"] = functools.partial(
-                K.attention_decode, q1, k1, v1, cos, sin, True, kc, vc, start, out1, scale, 0, q8, part_c, done,
-                split_depth)
-    for splits in sorted({K.decode_splits(max_tokens, kv), 32}):
+        decode["attention_decode"] = functools.partial(K.attention_decode, q1, k1, v1, cos, sin, True, kc, vc, start,
+                                                       out1, scale, 0, q8)
+    for splits in sorted({K.decode_splits(max_tokens, kv), 16, 32, 64}):
         part_s = cupy.empty(h * splits * (hd + 2), cupy.float32)
         decode[f"attention_decode_split/{splits}"] = functools.partial(
             K.attention_decode_split, q1, k1, v1, cos, sin, True, kc, vc, start, out1, scale, 0, part_s, done, q8, splits)

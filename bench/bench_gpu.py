@@ -8,10 +8,10 @@ GPU, each step queued before the id it feeds comes back to the host), for a fixe
 
 The output is measured at the prompt's depth: --prompt 8192 times a prompt of 8,192 tokens, then output from
 position 8,192 on. --attention chunk sends prompt chunks through attention.cu's older chunk path instead of flash
-attention (the before of a comparison); --split-depth sets the depth from which decode attention splits by KV head.
+attention (the before of a comparison); --decode-attention forces decode attention's kernel.
 
 Usage: python bench/bench_gpu.py MODEL.gguf [MODEL.gguf ...] [--prompt 512] [--output 128] [--device cuda]
-       [--repeats 5] [--attention flash|chunk] [--split-depth N]
+       [--repeats 5] [--attention flash|chunk] [--decode-attention auto|cluster|split]
 """
 
 from __future__ import annotations
@@ -40,14 +40,14 @@ def bytes_per_token(weights, top_k: int | None = None) -> int:
     stacked experts only the top_k slabs a token uses (n_experts equal slabs per tensor)."""
     total = weights.output.nbytes
     for layer in weights.layers:
-        attn = getattr(layer, "attn", layer)  # qwen and gemma layers keep attention in a part of their own
-        for handle in (*attn.qkv, attn.attn_out):
+        attn, ffn = layer.mixer, layer.ffn
+        for handle in (*attn.qkv, attn.out):
             total += handle.nbytes
-        if hasattr(layer, "gate_exps"):
-            total += layer.router.nbytes
-            total += sum(h.nbytes * top_k // h.shape[0] for h in (layer.gate_exps, layer.up_exps, layer.down_exps))
+        if hasattr(ffn, "gate_exps"):
+            total += ffn.router.nbytes
+            total += sum(h.nbytes * top_k // h.shape[0] for h in (ffn.gate_exps, ffn.up_exps, ffn.down_exps))
         else:
-            total += layer.gate.nbytes + layer.up.nbytes + layer.down.nbytes
+            total += ffn.gate.nbytes + ffn.up.nbytes + ffn.down.nbytes
     return total
 
 
@@ -73,19 +73,17 @@ def decode_breakdown_us(state, reps: int = 20) -> dict[str, float]:
     from engine.backend import ROPE_NORMAL
 
     backend, ws, c, w, cache = state.backend, state.workspace, state.config, state.weights, state.cache
-    layer = w.layers[0]
-    x, h, qkv, attn, delta = ws.x[:1], ws.h[:1], ws.qkv[:1], ws.attn[:1], ws.delta[:1]
-    q = qkv[:, : c.q_dim].reshape(1, c.n_heads, c.head_dim)
-    k = qkv[:, c.q_dim : c.q_dim + c.kv_dim].reshape(1, c.n_kv_heads, c.head_dim)
-    v = qkv[:, c.q_dim + c.kv_dim :].reshape(1, c.n_kv_heads, c.head_dim)
+    layer, chunk = w.layers[0], ws.chunk(1)
+    attn, ffn, a, f = layer.mixer, layer.ffn, chunk.parts["attention"], chunk.parts["dense"]
+    x, h, delta = chunk.x, chunk.h, chunk.delta
     ops = {
-        "embed": lambda: backend.embed(w.token_embd, ws.tokens[:1], x),
-        "add_rms_norm+q8": lambda: backend.add_rms_norm(delta, x, layer.attn_norm, c.rms_eps, h),
-        "qkv": lambda: backend.linear(h, layer.qkv[0], qkv),
-        "rope+attention+q8": lambda: backend.rope_attention(q, k, v, w.rope, ROPE_NORMAL, cache, 0, ws.start, attn, 0.1),
-        "attn_out": lambda: backend.linear(attn, layer.attn_out, delta),
-        "gate_up+q8": lambda: backend.gated_ffn(h, layer.gate, layer.up, ws.ffn[:1], ws.ffn_scratch[:1]),
-        "down": lambda: backend.linear(ws.ffn[:1], layer.down, delta),
+        "embed": lambda: backend.embed(w.token_embd, chunk.tokens, x),
+        "add_rms_norm+q8": lambda: backend.add_rms_norm(delta, x, layer.mixer_norm, c.rms_eps, h),
+        "qkv": lambda: backend.linear(h, attn.qkv[0], a.qkv),
+        "rope+attention+q8": lambda: backend.rope_attention(a.q, a.k, a.v, attn.rope, ROPE_NORMAL, cache, 0, ws.start, a.out, 0.1),
+        "attn_out": lambda: backend.linear(a.out, attn.out, delta),
+        "gate_up+q8": lambda: backend.gated_ffn(h, ffn.gate, ffn.up, f.act, f.scratch),
+        "down": lambda: backend.linear(f.act, ffn.down, delta),
         "head": lambda: backend.linear(h, w.output, ws.logits),
     }
     return {name: _replay_us(backend, op, reps) for name, op in ops.items()}
@@ -94,14 +92,14 @@ def decode_breakdown_us(state, reps: int = 20) -> dict[str, float]:
 def moe_breakdown_us(state, reps: int = 20) -> dict[str, float]:
     """Like decode_breakdown_us for the mixture-of-experts half of a qwen3moe layer (layer 0): the norm in front,
     router product, routing, and the chosen experts' FFN (gate/up, int8 quantization of the hidden vector, down)."""
-    backend, ws, c, layer = state.backend, state.workspace, state.config, state.weights.layers[0]
-    e, h = ws.extra, ws.h[:1]
+    backend, c, layer, chunk = state.backend, state.config, state.weights.layers[0], state.workspace.chunk(1)
+    ffn, e, b, h = layer.ffn, c.experts, chunk.parts["moe"], chunk.h
     ops = {
-        "add_rms_norm+q8": lambda: backend.add_rms_norm(ws.delta[:1], ws.x[:1], layer.attn.ffn_norm, c.rms_eps, h),
-        "router": lambda: backend.linear(h, layer.router, e["router_logits"][:1]),
-        "route": lambda: backend.moe_route(e["router_logits"][:1], c.top_k, c.normalize_weights, e["expert_weights"][:1], e["expert_ids"][:1]),
-        "experts": lambda: backend.moe_ffn(h, layer.gate_exps, layer.up_exps, layer.down_exps, e["expert_ids"][:1],
-                                           e["expert_weights"][:1], ws.delta[:1], e["expert_scratch"][:1]),
+        "add_rms_norm+q8": lambda: backend.add_rms_norm(chunk.delta, chunk.x, layer.ffn_norm, c.rms_eps, h),
+        "router": lambda: backend.linear(h, ffn.router, b.router_logits),
+        "route": lambda: backend.moe_route(b.router_logits, e.top_k, e.normalize_weights, b.weights, b.ids),
+        "experts": lambda: backend.moe_ffn(h, ffn.gate_exps, ffn.up_exps, ffn.down_exps, b.ids, b.weights, chunk.delta,
+                                           b.scratch),
     }
     return {name: _replay_us(backend, op, reps) for name, op in ops.items()}
 
@@ -175,7 +173,7 @@ def run(path: Path, prompt_len: int, output_len: int, device: str, repeats: int)
     breakdowns = {"llama": decode_breakdown_us, "qwen3moe": moe_breakdown_us}
     breakdown = breakdowns.get(model.info.architecture) if backend.name == "cupy" else None
     breakdown = breakdown(state) if breakdown is not None else None
-    per_token = bytes_per_token(state.weights, getattr(state.config, "top_k", None))
+    per_token = bytes_per_token(state.weights, state.config.experts and state.config.experts.top_k)
     output_tps = output_len / output_s
     floor_tps = BANDWIDTH / per_token
     result = {
@@ -214,19 +212,19 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="timed prompt + output runs; the best is reported")
     parser.add_argument("--attention", choices=("flash", "chunk"), default="flash",
                         help="prompt-chunk attention on a GPU: flash attention, or attention.cu's older chunk path")
-    parser.add_argument("--split-depth", type=int, help="keys from which decode attention splits by KV head on a "
-                        "GPU (engine/kernels/cuda.py SPLIT_DEPTH by default; a huge number: never)")
+    parser.add_argument("--decode-attention", choices=("auto", "cluster", "split"), default="auto",
+                        help="decode attention's kernel on a GPU (cuda.decode_attention_form picks by default)")
     args = parser.parse_args()
     if args.device == "cuda":
         from engine.kernels import cuda
 
         if args.attention == "chunk":
             cuda.flash_attention_capable = lambda n_heads, n_kv: False
-        if args.split_depth is not None:
-            cuda.SPLIT_DEPTH = args.split_depth
+        if args.decode_attention != "auto":
+            cuda.decode_attention_form = lambda n_heads, n_kv, max_tokens: args.decode_attention
     for path in args.models:
         result = run(path, args.prompt, args.output, args.device, args.repeats)
-        print(json.dumps({**result, "prompt_attention": args.attention, "split_depth": args.split_depth}),
+        print(json.dumps({**result, "prompt_attention": args.attention, "decode_attention": args.decode_attention}),
               flush=True)
 
 

@@ -9,7 +9,7 @@
 # model file: .carry/smollm2-tokenizer.gguf (tests/gguf_convert.py
 # write_tokenizer_gguf) and the skeletons .carry/smollm2-skeleton.gguf, .carry/gemma3-skeleton.gguf
 # (bench/replica_gguf.py) travel instead, a few MB each. flash: the attention tests, the attention kernels alone
-# (bench/bench_attention.py) and the Qwen3-8B Q4_K_M shape, FLASH_RUNS="prompt:attention[:split-depth] ..." (the
+# (bench/bench_attention.py) and the Qwen3-8B Q4_K_M shape, FLASH_RUNS="prompt:attention[:decode-attention] ..." (the
 # bench_gpu.py options; by default 512 and 8192 tokens, today's kernels against the older ones).
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -61,9 +61,9 @@ for part in "$@"; do
       timeout 200 python3 bench/bench_attention.py 2>&1 | tee "$OUT/attention.jsonl"
       f=/tmp/strata/synthetic-qwen3-8b.gguf
       python3 bench/make_synthetic_gguf.py "$f" --shape qwen3-8b --type Q4_K_M
-      for run in ${FLASH_RUNS:-512:flash 512:chunk:1000000000 8192:flash 8192:chunk:1000000000}; do
+      for run in ${FLASH_RUNS:-512:flash 512:chunk 8192:flash 8192:chunk}; do
         IFS=: read -r p a d <<< "$run"
-        timeout 200 python3 bench/bench_gpu.py "$f" --prompt $p --output 64 --repeats 2 --attention $a ${d:+--split-depth $d} 2>&1 | tee -a "$OUT/flash_bench.jsonl"
+        timeout 200 python3 bench/bench_gpu.py "$f" --prompt $p --output 64 --repeats 2 --attention $a ${d:+--decode-attention $d} 2>&1 | tee -a "$OUT/flash_bench.jsonl"
       done
       rm -f "$f" ;;
   esac

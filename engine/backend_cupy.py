@@ -349,20 +349,19 @@ class CupyBackend:
         n, n_heads, hd = q.shape
         n_kv, max_tokens = kc.shape[0], kc.shape[1]
         form = K.decode_attention_form(n_heads, n_kv, max_tokens) if n == 1 else None
-        if form in ("cluster", "split"):  # one kernel: rotary, cache write, attention, merge, output quantized
-            splits = K.cluster_decode_splits(n_heads, n_kv) if form == "cluster" else K.decode_splits(max_tokens, n_kv)
+        if form == "split":  # blocks of a KV head's whole group and a split of its keys, merged by the last
+            splits = K.decode_splits(max_tokens, n_kv)
             part = self._decode_buffer("attn_split_part", n_heads * splits * (hd + 2), cupy.float32)
             done = self._decode_buffer("attn_split_done", n_kv, cupy.uint32, zeroed=True)
-            q8 = self._quantize_output(out)
-            if form == "cluster":
-                K.attention_decode(q, k, v, rope.cos, rope.sin, neox, kc, vc, start, out, scale, window, q8, part, done)
-            else:
-                K.attention_decode_split(q, k, v, rope.cos, rope.sin, neox, kc, vc, start, out, scale, window, part,
-                                         done, q8, splits)
+            K.attention_decode_split(q, k, v, rope.cos, rope.sin, neox, kc, vc, start, out, scale, window, part, done,
+                                     self._quantize_output(out), splits)
+            return
+        if form == "cluster":  # one kernel, the splits merged inside each head's cluster
+            K.attention_decode(q, k, v, rope.cos, rope.sin, neox, kc, vc, start, out, scale, window,
+                               self._quantize_output(out))
             return
         K.rope_store_kv(q, k, v, rope.cos, rope.sin, neox, kc, vc, start)
         if n > 1 and K.flash_attention_capable(n_heads, n_kv):  # a prompt chunk on tensor cores
-            self._q8_of = None
             K.flash_attention(q, kc, vc, start, out, scale, window)
             return
         z, wpq = K.attention_splits(n)

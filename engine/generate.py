@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from types import ModuleType
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 
+from engine.arch import Architecture
+from engine.arch.decoder import DecoderWeights, Workspace
+from engine.arch.parts import DecoderConfig
 from engine.backend import Backend, KVCache, SamplingParams
 from engine.errors import DamagedModel, EngineError
 from engine.kv_cache import CachedTokens, RecurrentCache
@@ -52,10 +54,10 @@ class GenerationResult:
 class ModelState:
     """Everything a forward pass needs, owned by one LoadedModel."""
 
-    arch: ModuleType
-    config: Any
-    weights: Any
-    workspace: Any
+    arch: Architecture
+    config: DecoderConfig  # a hybrid family's own config (engine/arch/qwen35.py)
+    weights: DecoderWeights
+    workspace: Workspace
     cache: KVCache | RecurrentCache
     backend: Backend
     cached: CachedTokens

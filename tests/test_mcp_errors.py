@@ -84,7 +84,7 @@ async def test_a_data_folder_that_cannot_be_used_is_a_sentence_from_every_tool(f
 
 
 async def test_a_crash_in_a_tool_is_one_sentence_asking_for_a_report(tmp_path, monkeypatch):
-    def broken_probe(data_dir):
+    def broken_probe(data_dir, engine):
         raise RuntimeError("the probe fell over\nwith a second line")
 
     monkeypatch.setattr(check_pc, "probe", broken_probe)

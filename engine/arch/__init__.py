@@ -1,38 +1,78 @@
 """Architecture registry: `general.architecture` -> the module that runs it.
 
-An architecture module provides plain functions (no layer classes), the same for every backend:
-
-    read_config(gguf) -> config      with n_layers, n_kv_heads, head_dim, vocab_size, context_length
-    load_weights(gguf, config, backend, max_positions, on_progress, should_cancel) -> weights
-    new_workspace(config, backend, max_chunk) -> workspace with .ids (1 + max_chunk,) int32 (the first position,
-                                                 then the token ids; .start and .tokens view it), .logits (1, vocab)
-                                                 float32 and .max_chunk
-    forward(config, weights, workspace, backend, cache, n, logits_out=None) -> logits
-
-and optionally new_cache(config, backend, max_tokens) -> cache, for models whose state is more than a KVCache
-(engine.kv_cache.RecurrentCache); without it the loader allocates a KVCache for every layer.
+Every family module reads its hyper-parameters from the GGUF into a DecoderConfig (engine/arch/parts.py) and
+runs on the one decoder (engine/arch/decoder.py), whose load_weights, new_workspace and forward it exports; a
+module is an `Architecture`. The hybrid Gated DeltaNet families (engine/arch/qwen35.py) still run their own layer
+loop, written before the decoder; their module also has new_cache(config, backend, max_tokens), since their state
+is more than a KVCache (engine.kv_cache.RecurrentCache).
 """
 
 from __future__ import annotations
 
-import importlib
-from types import ModuleType
+from typing import TYPE_CHECKING, Callable, Protocol, runtime_checkable
 
+from engine.arch import gemma3, llama, qwen3, qwen3moe, qwen35
 from engine.errors import EngineError
 
-ARCHITECTURES = {
-    "gemma3": "engine.arch.gemma3",
-    "llama": "engine.arch.llama",
-    "qwen2": "engine.arch.qwen3",
-    "qwen3": "engine.arch.qwen3",
-    "qwen3moe": "engine.arch.qwen3moe",
-    "qwen35": "engine.arch.qwen35",
-    "qwen35moe": "engine.arch.qwen35",
-    "qwen3next": "engine.arch.qwen35",
+if TYPE_CHECKING:
+    from engine.arch.decoder import DecoderWeights, Workspace
+    from engine.arch.parts import DecoderConfig
+    from engine.backend import Array, Backend, KVCache
+    from engine.gguf_file import GGUFFile
+
+
+@runtime_checkable
+class Architecture(Protocol):
+    """What the engine calls to run a model, the same for every backend."""
+
+    def read_config(self, gguf: GGUFFile) -> DecoderConfig:
+        """The hyper-parameters, with n_layers, n_kv_heads, head_dim, vocab_size and context_length."""
+        ...
+
+    def load_weights(
+        self,
+        gguf: GGUFFile,
+        config: DecoderConfig,
+        backend: Backend,
+        max_positions: int,
+        on_progress: Callable[[int, int, str], None] | None = None,
+        should_cancel: Callable[[], bool] | None = None,
+    ) -> DecoderWeights:
+        """Every tensor uploaded, reporting (done, total, message) until done == total."""
+        ...
+
+    def new_workspace(self, config: DecoderConfig, backend: Backend, max_chunk: int) -> Workspace:
+        """Buffers with .ids (1 + max_chunk,) int32 (the first position, then the token ids; .start and .tokens view
+        it), .logits (1, vocab) float32 and .max_chunk."""
+        ...
+
+    def forward(
+        self,
+        config: DecoderConfig,
+        weights: DecoderWeights,
+        ws: Workspace,
+        backend: Backend,
+        cache: KVCache,
+        n: int,
+        logits_out: Array | None = None,
+    ) -> Array:
+        """The logits of ws.tokens[:n] at positions ws.start[0]..: the last token's, or every token's in logits_out."""
+        ...
+
+
+ARCHITECTURES: dict[str, Architecture] = {
+    "gemma3": gemma3,
+    "llama": llama,
+    "qwen2": qwen3,
+    "qwen3": qwen3,
+    "qwen3moe": qwen3moe,
+    "qwen35": qwen35,
+    "qwen35moe": qwen35,
+    "qwen3next": qwen35,
 }
 
 
-def architecture_module(name: str, model: str = "This model") -> ModuleType:
+def architecture_module(name: str, model: str = "This model") -> Architecture:
     """The module for a GGUF `general.architecture`, or EngineError saying which are supported."""
     module = ARCHITECTURES.get(name)
     if module is None:
@@ -40,4 +80,4 @@ def architecture_module(name: str, model: str = "This model") -> ModuleType:
             f"{model} uses the {name!r} architecture, which this engine cannot run. "
             f"Supported architectures: {', '.join(sorted(ARCHITECTURES))}. Pick a model of one of these."
         )
-    return importlib.import_module(module)
+    return module

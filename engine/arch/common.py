@@ -1,9 +1,8 @@
-"""Helpers every architecture module shares: reading hyper-parameters, uploading weights with progress,
-fusing matrices that read the same input, rotary frequencies, and the activation workspace."""
+"""GGUF-reading helpers the decoder and its parts share: hyper-parameters, uploading weights with progress,
+fusing matrices that read the same input, rotary frequencies."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
@@ -89,90 +88,3 @@ def concat_vectors(name: str, tensors: list[GGUFTensor]) -> GGUFTensor:
     values = [quants.dequantize(t.raw, t.qtype, t.shape).reshape(-1).astype(np.float32) for t in tensors]
     joined = np.concatenate(values)
     return GGUFTensor(name, GGMLQuantizationType.F32, joined.shape, joined.view(np.uint8))
-
-
-@dataclass(frozen=True)
-class TransformerConfig:
-    """The hyper-parameters every decoder-only architecture here shares; variants subclass it."""
-
-    n_layers: int
-    hidden: int
-    ffn: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    rot_dim: int
-    rope_base: float
-    rms_eps: float
-    vocab_size: int
-    context_length: int
-
-    @property
-    def q_dim(self) -> int:
-        return self.n_heads * self.head_dim
-
-    @property
-    def kv_dim(self) -> int:
-        return self.n_kv_heads * self.head_dim
-
-
-def read_transformer_fields(gguf: GGUFFile, rope_base: float, rms_eps: float, ffn: int | None = None) -> dict[str, Any]:
-    """TransformerConfig's fields from the metadata; the arguments are the defaults of the family for keys a
-    file may leave out (`ffn` None: the file must give it)."""
-    n_heads = int(hparam(gguf, "attention.head_count"))
-    hidden = int(hparam(gguf, "embedding_length"))
-    head_dim = int(hparam(gguf, "attention.key_length", hidden // n_heads))
-    return dict(
-        n_layers=int(hparam(gguf, "block_count")),
-        hidden=hidden,
-        ffn=int(hparam(gguf, "feed_forward_length", ffn)),
-        n_heads=n_heads,
-        n_kv_heads=int(hparam(gguf, "attention.head_count_kv", n_heads)),
-        head_dim=head_dim,
-        rot_dim=int(hparam(gguf, "rope.dimension_count", head_dim)),
-        rope_base=float(hparam(gguf, "rope.freq_base", rope_base)),
-        rms_eps=float(hparam(gguf, "attention.layer_norm_rms_epsilon", rms_eps)),
-        vocab_size=int(gguf.tensor("token_embd.weight").shape[0]),
-        context_length=int(hparam(gguf, "context_length")),
-    )
-
-
-@dataclass
-class Workspace:
-    """Activation buffers for chunks of up to `max_chunk` tokens, allocated once."""
-
-    ids: Any  # (1 + max_chunk,) int32: the chunk's first position, then its token ids; set by the caller in one copy
-    tokens: Any  # ids[1:], the token ids
-    start: Any  # ids[:1], the position of the chunk's first token
-    x: Any  # (max_chunk, hidden) residual stream
-    h: Any  # (max_chunk, hidden) normed input of the next projection
-    qkv: Any  # (max_chunk, q_dim + 2 kv_dim)
-    attn: Any  # (max_chunk, q_dim)
-    delta: Any  # (max_chunk, hidden) output of a block, added to x by the next fused norm
-    ffn: Any  # (max_chunk, ffn)
-    ffn_scratch: Any  # (max_chunk, ffn)
-    logits: Any  # (1, vocab) of the chunk's last token
-    max_chunk: int
-    extra: dict[str, Any]  # buffers a variant needs (qwen3moe's routing)
-
-
-def new_workspace(config: Any, backend: Backend, max_chunk: int, ffn_width: int | None = None) -> Workspace:
-    """Buffers for a transformer config with hidden, q_dim, kv_dim, ffn and vocab_size; `ffn_width` overrides ffn."""
-    e = backend.empty
-    ffn = config.ffn if ffn_width is None else ffn_width
-    ids = e((1 + max_chunk,), np.int32)
-    return Workspace(
-        ids=ids,
-        tokens=ids[1:],
-        start=ids[:1],
-        x=e((max_chunk, config.hidden)),
-        h=e((max_chunk, config.hidden)),
-        qkv=e((max_chunk, config.q_dim + 2 * config.kv_dim)),
-        attn=e((max_chunk, config.q_dim)),
-        delta=e((max_chunk, config.hidden)),
-        ffn=e((max_chunk, ffn)),
-        ffn_scratch=e((max_chunk, ffn)),
-        logits=e((1, config.vocab_size)),
-        max_chunk=max_chunk,
-        extra={},
-    )

@@ -21,9 +21,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from engine.arch import common, deltanet, qwen3, qwen3moe
-from engine.arch.common import TransformerConfig, Workspace, WeightLoader, concat_rows, hparam, read_transformer_fields
-from engine.backend import ROPE_NEOX, Backend, RopeTable, WeightHandle
+from engine.arch import deltanet
+from engine.arch.common import WeightLoader, concat_rows, hparam, rope_inv_freq
+from engine.arch.parts import read_decoder_config
+from engine.backend import ROPE_NEOX, Array, Backend, RopeTable, WeightHandle
 from engine.errors import EngineError
 from engine.gguf_file import GGUFFile
 from engine.kv_cache import RecurrentCache
@@ -32,7 +33,18 @@ __all__ = ["read_config", "load_weights", "new_workspace", "new_cache", "forward
 
 
 @dataclass(frozen=True)
-class HybridConfig(TransformerConfig):
+class HybridConfig:
+    n_layers: int
+    hidden: int
+    ffn: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    rot_dim: int
+    rope_base: float
+    rms_eps: float
+    vocab_size: int
+    context_length: int
     recurrent_layers: tuple[bool, ...]  # per layer: Gated DeltaNet (True) or gated attention
     conv_kernel: int
     n_k_heads: int  # DeltaNet query/key heads
@@ -45,6 +57,14 @@ class HybridConfig(TransformerConfig):
     expert_ffn: int
     shared_ffn: int
     normalize_weights: bool = True
+
+    @property
+    def q_dim(self) -> int:
+        return self.n_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv_heads * self.head_dim
 
     def recurrent(self, i: int) -> bool:
         return self.recurrent_layers[i]
@@ -59,8 +79,10 @@ class HybridConfig(TransformerConfig):
 
 
 def read_config(gguf: GGUFFile) -> HybridConfig:
-    fields = read_transformer_fields(gguf, rope_base=10000000.0, rms_eps=1e-6, ffn=0)
-    fields["n_layers"] -= int(hparam(gguf, "nextn_predict_layers", 0))
+    d = read_decoder_config(gguf, rope_base=10000000.0, rms_eps=1e-6, ffn_width=0)
+    fields = dict(n_layers=d.n_layers - int(hparam(gguf, "nextn_predict_layers", 0)), hidden=d.hidden, ffn=d.ffn_width,
+                  n_heads=d.n_heads, n_kv_heads=d.n_kv_heads, head_dim=d.head_dim, rot_dim=d.rot_dim,
+                  rope_base=d.rope_base, rms_eps=d.rms_eps, vocab_size=d.vocab_size, context_length=d.context_length)
     n_v = int(hparam(gguf, "ssm.time_step_rank"))
     n_k = int(hparam(gguf, "ssm.group_count"))
     n_experts = int(hparam(gguf, "expert_count", 0))
@@ -100,12 +122,30 @@ class GatedAttention:
 
 
 @dataclass
+class Workspace:
+    """Activation buffers for chunks of up to `max_chunk` tokens, allocated once."""
+
+    ids: Array  # (1 + max_chunk,) int32: the chunk's first position, then its token ids
+    tokens: Array  # ids[1:]
+    start: Array  # ids[:1]
+    x: Array  # (max_chunk, hidden) residual stream
+    h: Array  # (max_chunk, hidden) normed input of the next part
+    delta: Array  # (max_chunk, hidden) a part's output, added to x by the next fused norm
+    attn: Array  # (max_chunk, q_dim)
+    ffn: Array  # (max_chunk, dense or shared expert width)
+    ffn_scratch: Array
+    logits: Array  # (1, vocab)
+    max_chunk: int
+    extra: dict[str, Array]
+
+
+@dataclass
 class HybridLayer:
     attn_norm: WeightHandle
     mixer: Any  # GatedAttention or deltanet.DeltaNetWeights
     post_norm: WeightHandle
     ffn: list[WeightHandle]  # dense: gate, up, down
-    router: WeightHandle | None = None  # MoE, as qwen3moe.moe_block reads them
+    router: WeightHandle | None = None  # (n_experts, hidden)
     gate_exps: WeightHandle | None = None
     up_exps: WeightHandle | None = None
     down_exps: WeightHandle | None = None
@@ -174,13 +214,20 @@ def load_weights(
     total = sum(not name.startswith(mtp) for name in gguf.tensors) if mtp else len(gguf.tensors)
     loader = WeightLoader(backend, total, on_progress, should_cancel)
     layers = [_load_layer(gguf, config, loader, i) for i in range(config.n_layers)]
-    shared = qwen3.load_shared(gguf, config, backend, loader, layers, max_positions)
-    return HybridWeights(shared.token_embd, layers, shared.output_norm, shared.output, shared.rope)
+    token_embd = loader.upload(gguf.tensor("token_embd.weight"))
+    output_norm = loader.upload(gguf.tensor("output_norm.weight"))
+    output = loader.upload(gguf.tensor("output.weight")) if "output.weight" in gguf.tensors else token_embd
+    rope = backend.rope_table(rope_inv_freq(gguf, config.rot_dim, config.rope_base), max_positions)
+    return HybridWeights(token_embd, layers, output_norm, output, rope)
 
 
 def new_workspace(config: HybridConfig, backend: Backend, max_chunk: int) -> Workspace:
-    ws = common.new_workspace(config, backend, max_chunk, ffn_width=config.shared_ffn if config.n_experts else config.ffn)
     e = backend.empty
+    ffn = config.shared_ffn if config.n_experts else config.ffn
+    ids = e((1 + max_chunk,), np.int32)
+    rows = [e((max_chunk, config.hidden)) for _ in range(3)]
+    ws = Workspace(ids, ids[1:], ids[:1], *rows, e((max_chunk, config.q_dim)), e((max_chunk, ffn)), e((max_chunk, ffn)),
+                   e((1, config.vocab_size)), max_chunk, {})
     value_dim = config.n_v_heads * config.head_v_dim
     ws.extra = {
         "proj": e((max_chunk, max(2 * config.q_dim + 2 * config.kv_dim, config.conv_dim + value_dim + 2 * config.n_v_heads))),
@@ -236,7 +283,12 @@ def ffn_block(config: HybridConfig, layer: HybridLayer, ws: Workspace, backend: 
         backend.gated_ffn(h, gate, up, ws.ffn[:n], ws.ffn_scratch[:n], "silu")
         backend.linear(ws.ffn[:n], down, ws.delta[:n])
         return
-    qwen3moe.moe_block(config, layer, ws, backend, n)
+    e = ws.extra
+    backend.linear(h, layer.router, e["router_logits"][:n])
+    backend.moe_route(e["router_logits"][:n], config.top_k, config.normalize_weights, e["expert_weights"][:n],
+                      e["expert_ids"][:n])
+    backend.moe_ffn(h, layer.gate_exps, layer.up_exps, layer.down_exps, e["expert_ids"][:n], e["expert_weights"][:n],
+                    ws.delta[:n], e["expert_scratch"][:n], "silu")
     backend.gated_ffn(h, gate, up, ws.ffn[:n], ws.ffn_scratch[:n], "silu")
     shared_out, shared_gate = ws.extra["shared_out"][:n], ws.extra["shared_gate"][:n]
     backend.linear(ws.ffn[:n], down, shared_out)

@@ -6,10 +6,9 @@
 // blocks as one cluster (attention_decode, sm_90+) or by the head's last block to finish (older GPUs), either of
 // which also quantizes the output for the output projection; for a prompt chunk by attention_combine.
 // attention_decode also does rope_store_kv's work for its token (rotating q and k, storing k and v), which saves
-// that launch. At depth a decode step is split by KV head instead (attention_decode_split, below: each block
-// serves a KV head's whole query group, so the keys are read once): on sm_90 attention_decode's own grid turns
-// into that form from split_depth keys. Prompt chunks on sm_80+ go to flash_attention.cu instead of
-// attention_partial.
+// that launch. Before sm_90, a decode step over a cache of SPLIT_CONTEXT positions or more is split by KV head
+// instead (attention_decode_split, below: each block serves a KV head's whole query group, so the keys are read
+// once). Prompt chunks on sm_80+ go to flash_attention.cu instead of attention_partial.
 //
 // Key ranges come from start[0] in device memory, so one captured graph serves every position; splits past
 // the range are empty and leave max = -inf, sum = 0.
@@ -337,8 +336,7 @@ ATTENTION_PARTIAL(256)
 // split's 32-key tiles in turn (each key tile scored against every query of the group, each value row weighted
 // for all of them), merge in shared memory and leave one partial result per query head in part; the KV head's
 // last block to finish (counted in done[kvh], left at zero) merges the splits and quantizes the output
-// (combine_splits). The step's own token is rotated, stored and attended as in attention_decode. On sm_90
-// attention_decode's blocks turn into these at depth; the kernel of its own serves older GPUs.
+// (combine_splits). The step's own token is rotated, stored and attended as in attention_decode.
 #define SPLIT_MIN_KEYS 128
 
 template <int HD, int G>
@@ -512,13 +510,12 @@ __device__ __forceinline__ void st_cluster(float* p, u32 rank, float v) {
     asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(addr), "f"(v) : "memory");
 }
 
-template <int HD, int G>
+template <int HD>
 __device__ __forceinline__ void attention_decode_impl(const float* q, const float* k_new, const float* v_new,
                                                       const float* cos_t, const float* sin_t, int rot, int neox,
                                                       u16* k_cache, u16* v_cache, int max_tokens, int n_heads,
                                                       int n_kv, const int* start, int window, float scale_log2,
-                                                      int split_depth, float* part, u32* done, float* out,
-                                                      signed char* xq, signed char* xq2, float2* xds) {
+                                                      float* out, signed char* xq, signed char* xq2, float2* xds) {
     constexpr int N_SPLITS = 4 * ATTN_CLUSTER;
     static_assert(HD / 32 <= ATTN_CLUSTER, "one block merges each 32 dims");
     // In block r: split s's output on dims 32 r + i, its max and its sum (the merge's inputs, pushed by every warp).
@@ -526,17 +523,6 @@ __device__ __forceinline__ void attention_decode_impl(const float* q, const floa
     // Remote shared memory may be written only once its block runs: every block arrives now and waits before
     // its first push, long after all have arrived.
     cluster_arrive();
-    // From split_depth keys on (part non-null), the grid's blocks work as attention_decode_split's, G query heads
-    // a block: the whole grid's clusters are split among the KV heads.
-    const int depth = start[0] + 1, n_kv_splits = gridDim.x * ATTN_CLUSTER / n_kv;
-    if (part != nullptr && (window > 0 ? min(depth, window) : depth) >= split_depth) {
-        cluster_wait();
-        const int flat = blockIdx.x * ATTN_CLUSTER + blockIdx.z;
-        attention_decode_split_impl<HD, G>(q, k_new, v_new, cos_t, sin_t, rot, neox, k_cache, v_cache, max_tokens,
-                                           n_heads, n_kv, start, window, scale_log2, flat / n_kv_splits,
-                                           flat % n_kv_splits, n_kv_splits, part, done, out, xq, xq2, xds);
-        return;
-    }
     const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
     const int head = blockIdx.x;
     const int group = n_heads / n_kv, kvh = head / group, pos = start[0];
@@ -569,21 +555,17 @@ __device__ __forceinline__ void attention_decode_impl(const float* q, const floa
     if (xq != nullptr) quantize_group(o, (long)head * HD / 32 + rank, xq, xq2, xds);
 }
 
-#define ATTENTION_DECODE(HD, G)                                                                                \
-    extern "C" __global__ void __cluster_dims__(1, 1, ATTN_CLUSTER) attention_decode_##HD##_g##G(             \
+#define ATTENTION_DECODE(HD)                                                                                   \
+    extern "C" __global__ void __cluster_dims__(1, 1, ATTN_CLUSTER) attention_decode_##HD(                    \
         const float* q, const float* k_new, const float* v_new, const float* cos_t, const float* sin_t, int rot, \
         int neox, u16* k_cache, u16* v_cache, int max_tokens, int n_heads, int n_kv, const int* start,         \
-        int window, float scale_log2, int split_depth, float* part, u32* done, float* out, signed char* xq,   \
-        signed char* xq2, float2* xds) {                                                                       \
-        attention_decode_impl<HD, G>(q, k_new, v_new, cos_t, sin_t, rot, neox, k_cache, v_cache, max_tokens,   \
-                                     n_heads, n_kv, start, window, scale_log2, split_depth, part, done, out, xq, \
-                                     xq2, xds);                                                                \
+        int window, float scale_log2, float* out, signed char* xq, signed char* xq2, float2* xds) {          \
+        attention_decode_impl<HD>(q, k_new, v_new, cos_t, sin_t, rot, neox, k_cache, v_cache, max_tokens,      \
+                                  n_heads, n_kv, start, window, scale_log2, out, xq, xq2, xds);               \
     }
-ATTENTION_DECODE(64, 4)
-ATTENTION_DECODE(64, 8)
-ATTENTION_DECODE(128, 4)
-ATTENTION_DECODE(128, 8)
-ATTENTION_DECODE(256, 4)  // 8 query slots of 256 dims would pass 48 KB of static shared memory
+ATTENTION_DECODE(64)
+ATTENTION_DECODE(128)
+ATTENTION_DECODE(256)
 #endif
 
 // One block per (query, head), one thread per dim (prompt chunks: a query's splits are its warps).

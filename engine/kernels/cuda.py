@@ -471,40 +471,25 @@ def attention_splits(n: int) -> tuple[int, int]:
 
 def cluster_decode_attention() -> bool:
     """Whether decode attention merges its splits inside a thread-block cluster (attention_decode, sm_90+)."""
-    return _capability() >= N.PER_GROUP["attention_decode"][1]
+    return _capability() >= N.PER_HEAD_DIM["attention_decode"][1]
 
 
 def attention_decode(q, k, v, cos, sin, neox: bool, k_cache, v_cache, start, out, scale: float, window: int,
-                     q8: Q8 | None = None, part=None, done=None, split_depth: int | None = None) -> None:
-    """One token's rope_store_kv and attention in one kernel: q (1, H, hd), k, v (1, KV, hd) strided views, as
-    the QKV projection left them (neither is rotated in place); out (1, H*hd). Each head's ATTN_Z_SPLITS blocks
-    are one cluster (attention.cu ATTN_CLUSTER), which merges their 32 splits, and with q8 also quantizes the
-    output for the output projection. With part (float32 scratch of H * cluster_decode_splits(H, KV) * (hd+2))
-    and done = counters(KV), a step attending to split_depth (SPLIT_DEPTH) keys or more runs the grid's blocks
-    as attention_decode_split's instead (GQA groups of at most 8, 4 at 256 dims), the choice made on the device,
-    so one captured graph serves every depth. Needs cluster_decode_attention()."""
+                     q8: Q8 | None = None) -> None:
+    """One token's rope_store_kv and attention in one kernel with no scratch: q (1, H, hd), k, v (1, KV, hd)
+    strided views, as the QKV projection left them (neither is rotated in place); out (1, H*hd). Each head's
+    ATTN_Z_SPLITS blocks are one cluster (attention.cu ATTN_CLUSTER), which merges their 32 splits, and with q8
+    also quantizes the output for the output projection. Needs cluster_decode_attention()."""
     _, n_heads, hd = q.shape
     n_kv, max_tokens = k_cache.shape[0], k_cache.shape[1]
-    group = n_heads // n_kv
-    g = 4 if group <= 4 or hd == 256 else 8  # query slots a block (attention.cu builds 4 only for 256 dims)
-    scratch = (part, done) if part is not None and group <= g else (np.uintp(0), np.uintp(0))
-    launch("attention", N.per_group("attention_decode", hd, g), (n_heads, 1, ATTN_Z_SPLITS), (128,),
+    launch("attention", N.per_head_dim("attention_decode", hd), (n_heads, 1, ATTN_Z_SPLITS), (128,),
            (q, k, v, cos, sin, i32(2 * cos.shape[1]), i32(1 if neox else 0), k_cache, v_cache, i32(max_tokens),
-            i32(n_heads), i32(n_kv), start, i32(window), f32(scale * LOG2_E),
-            i32(SPLIT_DEPTH if split_depth is None else split_depth), *scratch, out, *q8_args(q8)))
+            i32(n_heads), i32(n_kv), start, i32(window), f32(scale * LOG2_E), out, *q8_args(q8)))
 
 
 SPLIT_MIN_KEYS, MAX_SPLITS = 128, 64  # attention.cu: fewest keys a decode split takes, most splits a merge reads
 SPLIT_BLOCKS_PER_SM = 2
-# Keys from which decode attention splits by KV head rather than by query head. On an H200 (Qwen3-8B shape,
-# bench/bench_attention.py) attention_decode took 14.4 us at 2K keys and 49.6 at 7.7K, the split form 23.2 and 37.2.
-SPLIT_DEPTH = 4096
 SPLIT_CONTEXT = 8192  # before sm_90: caches from this many positions decode with attention_decode_split
-
-
-def cluster_decode_splits(n_heads: int, n_kv: int) -> int:
-    """Splits of a KV head's keys when attention_decode's grid works as attention_decode_split's."""
-    return ATTN_Z_SPLITS * n_heads // n_kv
 
 
 def decode_splits(max_tokens: int, n_kv: int) -> int:
@@ -515,9 +500,9 @@ def decode_splits(max_tokens: int, n_kv: int) -> int:
 
 
 def decode_attention_form(n_heads: int, n_kv: int, max_tokens: int) -> str:
-    """Which kernel a decode step's attention runs: "cluster" (attention_decode, sm_90+, itself splitting by KV
-    head at depth), else "split" (attention_decode_split, GQA groups of at most 8 query heads) for caches of at
-    least SPLIT_CONTEXT positions, else "partial" (attention's two-kernel form)."""
+    """Which kernel a decode step's attention runs: "cluster" (attention_decode, sm_90+), else "split"
+    (attention_decode_split, GQA groups of at most 8 query heads) for caches of at least SPLIT_CONTEXT positions,
+    else "partial" (attention's two-kernel form)."""
     if cluster_decode_attention():
         return "cluster"
     return "split" if n_heads // n_kv <= 8 and max_tokens >= SPLIT_CONTEXT else "partial"

@@ -36,14 +36,12 @@ LEAN_STREAM_TYPES = (T.Q4_0,)  # where the 32-register form paid on an H200 (8B 
 HEAD_DIMS = (64, 128, 256)  # head sizes the attention kernels are built for
 # Attention kernels built per head size: kind -> (module, the oldest compute capability, major * 10 + minor, they
 # are built for).
-PER_HEAD_DIM = {"attention_partial": ("attention", 75), "flash_attention": ("flash_attention", 75)}
+# attention.cu builds the cluster form (attention_decode) under __CUDA_ARCH__ >= 900.
+PER_HEAD_DIM = {"attention_partial": ("attention", 75), "attention_decode": ("attention", 90),
+                "flash_attention": ("flash_attention", 75)}
 # Decode attention built per head size and query slots a block (the GQA group, rounded up to 4 or 8): kind ->
-# (module, oldest capability, head size -> slots). attention.cu builds the cluster form under __CUDA_ARCH__ >= 900,
-# and no 8-slot cluster form at 256 dims (it would pass 48 KB of static shared memory).
-PER_GROUP = {
-    "attention_decode": ("attention", 90, {64: (4, 8), 128: (4, 8), 256: (4,)}),
-    "attention_decode_split": ("attention", 75, {hd: (4, 8) for hd in HEAD_DIMS}),
-}
+# (module, oldest capability, head size -> slots).
+PER_GROUP = {"attention_decode_split": ("attention", 75, {hd: (4, 8) for hd in HEAD_DIMS})}
 
 
 def typed(kind: str, qtype: T) -> str:

@@ -1,0 +1,95 @@
+"""The attention mixer: grouped-query attention with rotary positions and the KV cache.
+
+Backend calls: the Q/K/V projection (one product when the three matrices could be stacked, with Qwen2's bias)
+-> per-head RMSNorm of Q and K where the config has QK-norm (over the (n, heads, head_dim) views of the
+projection output) -> rotary with the KV-cache write and attention (within the sliding window on Gemma 3's
+local layers, which rotate with their own table) -> output projection.
+
+Rotary styles: llama.cpp's converter permutes Llama's Q/K rows so that adjacent-pair rotation ('normal') on
+them equals Hugging Face's rotate_half on the original weights; Qwen's and Gemma's rows are stored unpermuted
+and rotate by halves ('neox').
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.arch.common import concat_rows, concat_vectors
+from engine.arch.parts import ATTENTION, Buffers, Chunk, DecoderConfig, LayerSource
+from engine.backend import Array, Backend, KVCache, RopeTable, WeightHandle
+
+
+@dataclass
+class AttentionBuffers(Buffers):
+    qkv: Array  # (max_chunk, q_dim + 2 kv_dim): the projection output
+    q: Array  # (max_chunk, n_heads, head_dim) view of qkv
+    k: Array  # (max_chunk, n_kv_heads, head_dim) view of qkv
+    v: Array  # (max_chunk, n_kv_heads, head_dim) view of qkv
+    out: Array  # (max_chunk, q_dim): attention output, the input of the output projection
+
+
+@dataclass
+class Attention:
+    qkv: list[WeightHandle]  # one stacked (q_dim + 2 kv_dim, hidden) matrix, or q, k, v separately
+    qkv_bias: list[WeightHandle] | None  # matching the split of `qkv`
+    qk_norm: tuple[WeightHandle, WeightHandle] | None  # per-head RMSNorm weights of Q and K
+    out: WeightHandle
+    rope: RopeTable
+    window: int  # 0: attend to every earlier position
+
+    @staticmethod
+    def uploads(config: DecoderConfig) -> int:
+        return 4 + 3 * config.qkv_bias + 2 * config.qk_norm
+
+    @classmethod
+    def load(cls, source: LayerSource, layer: int) -> Attention:
+        c, loader = source.config, source.loader
+        parts = [source.tensor(layer, f"attn_{x}.weight") for x in "qkv"]
+        stacked = concat_rows(f"blk.{layer}.attn_qkv.weight", parts)
+        qkv = [loader.upload(stacked, counts_as=3)] if stacked is not None else [loader.upload(p) for p in parts]
+        bias = None
+        if c.qkv_bias:
+            biases = [source.tensor(layer, f"attn_{x}.bias") for x in "qkv"]
+            if len(qkv) == 1:
+                bias = [loader.upload(concat_vectors(f"blk.{layer}.attn_qkv.bias", biases), counts_as=3)]
+            else:
+                bias = [loader.upload(b) for b in biases]
+        sliding = c.sliding(layer)
+        return cls(
+            qkv=qkv,
+            qkv_bias=bias,
+            qk_norm=(source.upload(layer, "attn_q_norm.weight"), source.upload(layer, "attn_k_norm.weight"))
+            if c.qk_norm else None,
+            out=source.upload(layer, "attn_output.weight"),
+            rope=source.rope(sliding),
+            window=c.sliding_window if sliding else 0,
+        )
+
+    @staticmethod
+    def buffers(config: DecoderConfig, backend: Backend, max_chunk: int) -> AttentionBuffers:
+        c = config
+        qkv = backend.empty((max_chunk, c.q_dim + 2 * c.kv_dim))
+        return AttentionBuffers(
+            qkv=qkv,
+            q=qkv[:, : c.q_dim].reshape(max_chunk, c.n_heads, c.head_dim),
+            k=qkv[:, c.q_dim : c.q_dim + c.kv_dim].reshape(max_chunk, c.n_kv_heads, c.head_dim),
+            v=qkv[:, c.q_dim + c.kv_dim :].reshape(max_chunk, c.n_kv_heads, c.head_dim),
+            out=backend.empty((max_chunk, c.q_dim)),
+        )
+
+    def run(self, config: DecoderConfig, chunk: Chunk, backend: Backend, cache: KVCache, layer: int) -> None:
+        c = config
+        b: AttentionBuffers = chunk.parts[ATTENTION]
+        if len(self.qkv) == 1:
+            backend.linear(chunk.h, self.qkv[0], b.qkv, self.qkv_bias[0] if self.qkv_bias else None)
+        else:
+            bounds = [0, c.q_dim, c.q_dim + c.kv_dim, c.q_dim + 2 * c.kv_dim]
+            for j, (weight, lo, hi) in enumerate(zip(self.qkv, bounds, bounds[1:])):
+                backend.linear(chunk.h, weight, b.qkv[:, lo:hi], self.qkv_bias[j] if self.qkv_bias else None)
+        if self.qk_norm is not None:
+            q_norm, k_norm = self.qk_norm
+            backend.rms_norm(b.q, q_norm, c.rms_eps, b.q)
+            backend.rms_norm(b.k, k_norm, c.rms_eps, b.k)
+        backend.rope_attention(b.q, b.k, b.v, self.rope, c.rope_style, cache, layer, chunk.start, b.out, c.attn_scale,
+                               self.window)
+        backend.linear(b.out, self.out, chunk.delta)

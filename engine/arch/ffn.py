@@ -1,0 +1,94 @@
+"""The feed-forward parts: a dense gated FFN, and a routed mixture of experts (Qwen3-MoE, no shared expert).
+
+Dense: gate and up products with the activation (SiLU or GELU-tanh) between them in one op -> down projection.
+MoE: router logits (a linear layer, ffn_gate_inp) -> softmax in float32, the top-k experts, their weights
+renormalized to sum to 1 where the file says so -> each token's chosen experts only, the gated FFN on the
+stacked `ffn_gate_exps`/`ffn_up_exps`, `ffn_down_exps`, summed with the routing weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.arch.parts import DENSE, MOE, Buffers, Chunk, DecoderConfig, LayerSource
+from engine.backend import Array, Backend, KVCache, WeightHandle
+
+
+@dataclass
+class DenseBuffers(Buffers):
+    act: Array  # (max_chunk, ffn_width): activation(gate) * up, the input of the down projection
+    scratch: Array  # (max_chunk, ffn_width)
+
+
+@dataclass
+class DenseFFN:
+    gate: WeightHandle
+    up: WeightHandle
+    down: WeightHandle
+
+    @staticmethod
+    def uploads(config: DecoderConfig) -> int:
+        return 3
+
+    @classmethod
+    def load(cls, source: LayerSource, layer: int) -> DenseFFN:
+        return cls(*(source.upload(layer, f"ffn_{x}.weight") for x in ("gate", "up", "down")))
+
+    @staticmethod
+    def buffers(config: DecoderConfig, backend: Backend, max_chunk: int) -> DenseBuffers:
+        return DenseBuffers(backend.empty((max_chunk, config.ffn_width)), backend.empty((max_chunk, config.ffn_width)))
+
+    def run(self, config: DecoderConfig, chunk: Chunk, backend: Backend, cache: KVCache, layer: int) -> None:
+        b: DenseBuffers = chunk.parts[DENSE]
+        backend.gated_ffn(chunk.h, self.gate, self.up, b.act, b.scratch, config.activation)
+        backend.linear(b.act, self.down, chunk.delta)
+
+
+@dataclass
+class MoeBuffers(Buffers):
+    router_logits: Array  # (max_chunk, experts)
+    weights: Array  # (max_chunk, top_k) routing weights
+    ids: Array  # (max_chunk, top_k) int32 chosen experts
+    scratch: Array  # (max_chunk, top_k, 2 width)
+
+
+@dataclass
+class MoeFFN:
+    router: WeightHandle  # (experts, hidden)
+    gate_exps: WeightHandle  # (experts, width, hidden)
+    up_exps: WeightHandle
+    down_exps: WeightHandle  # (experts, hidden, width)
+    top_k: int
+    normalize_weights: bool
+
+    @staticmethod
+    def uploads(config: DecoderConfig) -> int:
+        return 4
+
+    @classmethod
+    def load(cls, source: LayerSource, layer: int) -> MoeFFN:
+        names = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+        router, gate, up, down = (source.upload(layer, f"{name}.weight") for name in names)
+        e = source.config.moe()
+        return cls(router, gate, up, down, e.top_k, e.normalize_weights)
+
+    @staticmethod
+    def buffers(config: DecoderConfig, backend: Backend, max_chunk: int) -> MoeBuffers:
+        e = config.moe()
+        return MoeBuffers(
+            router_logits=backend.empty((max_chunk, e.count)),
+            weights=backend.empty((max_chunk, e.top_k)),
+            ids=backend.empty((max_chunk, e.top_k), np.int32),
+            scratch=backend.empty((max_chunk, e.top_k, 2 * e.width)),
+        )
+
+    def run(self, config: DecoderConfig, chunk: Chunk, backend: Backend, cache: KVCache, layer: int) -> None:
+        b: MoeBuffers = chunk.parts[MOE]
+        h = chunk.h
+        backend.linear(h, self.router, b.router_logits)
+        backend.moe_route(b.router_logits, self.top_k, self.normalize_weights, b.weights, b.ids)
+        backend.moe_ffn(h, self.gate_exps, self.up_exps, self.down_exps, b.ids, b.weights, chunk.delta, b.scratch,
+                        config.activation)
+
