@@ -220,3 +220,30 @@ def test_older_files_place_attention_by_the_interval_and_mtp_layers_are_left_out
     file.close()
     assert config.n_layers == 4 and config.recurrent_layers == (True, False, True, False)
     assert config.tiled and config.n_experts == 0 and config.head_v_dim == 4 and config.n_recurrent == 2
+
+
+def test_projections_stored_in_different_types_load_apart_and_give_the_same_logits(tmp_path, smollm2_gguf, monkeypatch):
+    import torch
+
+    from engine import load_model
+    from engine.arch import deltanet, qwen35
+    from gguf_convert import write_gguf
+    from test_engine_hybrid import _build
+
+    # llama.cpp's Q4_K_M keeps some attn_v (and may keep ssm_beta/alpha) in another type than their neighbours: the
+    # matrices then cannot share one fused projection. Refusing to fuse takes that path on the same weights.
+    torch.manual_seed(0)
+    path = write_gguf(_build("qwen35"), "qwen35", tmp_path / "qwen35.gguf", smollm2_gguf)
+    fused = load_model(path, device="cpu", context_length=256)
+    ids = fused.tokenizer.encode("The capital of France is Paris. The capital of Germany is")
+    expected, _ = fused.prompt_logits(ids, all_positions=True)
+    fused.close()
+    monkeypatch.setattr(qwen35, "concat_rows", lambda *args: None)
+    monkeypatch.setattr(deltanet, "concat_rows", lambda *args: None)
+    progress = []
+    apart = load_model(path, device="cpu", context_length=256, on_progress=lambda done, total, _: progress.append((done, total)))
+    logits, _ = apart.prompt_logits(ids, all_positions=True)
+    apart.close()
+    assert progress[-1][0] == progress[-1][1]
+    # The same sums in another blocking of the matrix products: equal to float32 rounding.
+    assert np.abs(logits - expected).max() / (expected.max() - expected.min()) < 1e-5

@@ -115,7 +115,9 @@ def read_config(gguf: GGUFFile) -> HybridConfig:
 
 @dataclass
 class GatedAttention:
-    qkv: WeightHandle  # rows: the query of every head, then every head's output gate, then keys, then values
+    # Rows: the query of every head, then every head's output gate, then keys, then values: one matrix, or four
+    # where the file stores K or V in another type than Q (llama.cpp's Q4_K_M keeps some attn_v in Q6_K).
+    qkv: list[WeightHandle]
     q_norm: WeightHandle
     k_norm: WeightHandle
     out: WeightHandle
@@ -172,13 +174,12 @@ def load_attention(gguf: GGUFFile, config: HybridConfig, loader: WeightLoader, i
     gate = deltanet.select_rows(f"blk.{i}.attn_q_gate.weight", q, heads[:, 1].reshape(-1))
     parts = [query, gate, t("attn_k.weight"), t("attn_v.weight")]
     fused = concat_rows(f"blk.{i}.attn_qkv.weight", parts)
-    if fused is None:
-        raise EngineError(
-            f"The model file {gguf.path.name} stores layer {i}'s query, key and value projections in different "
-            "types, which this engine does not support yet. Pick another quantization of the model."
-        )
+    if fused is not None:
+        qkv = [loader.upload(fused, counts_as=3)]
+    else:  # the query and gate halves of attn_q count as one file tensor
+        qkv = [loader.upload(p, counts_as=int(j != 1)) for j, p in enumerate(parts)]
     return GatedAttention(
-        qkv=loader.upload(fused, counts_as=3),
+        qkv=qkv,
         q_norm=loader.upload(t("attn_q_norm.weight")),
         k_norm=loader.upload(t("attn_k_norm.weight")),
         out=loader.upload(t("attn_output.weight")),
@@ -263,7 +264,12 @@ def attention_block(config: HybridConfig, a: GatedAttention, rope: RopeTable, ws
                     cache: RecurrentCache, slot: int, n: int) -> None:
     c = config
     proj = ws.extra["proj"][:n]
-    backend.linear(ws.h[:n], a.qkv, proj[:, : 2 * c.q_dim + 2 * c.kv_dim])
+    bounds = [0, c.q_dim, 2 * c.q_dim, 2 * c.q_dim + c.kv_dim, 2 * c.q_dim + 2 * c.kv_dim]
+    if len(a.qkv) == 1:
+        backend.linear(ws.h[:n], a.qkv[0], proj[:, : bounds[-1]])
+    else:
+        for weight, lo, hi in zip(a.qkv, bounds, bounds[1:]):
+            backend.linear(ws.h[:n], weight, proj[:, lo:hi])
     q = proj[:, : c.q_dim].reshape(n, c.n_heads, c.head_dim)
     gate = proj[:, c.q_dim : 2 * c.q_dim]
     k = proj[:, 2 * c.q_dim : 2 * c.q_dim + c.kv_dim].reshape(n, c.n_kv_heads, c.head_dim)
