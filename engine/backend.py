@@ -288,3 +288,47 @@ class Backend(Protocol):
         [position, id] into ids[:2], the next decode step's input (the workspace's ids). Returns a function that
         gives the id on the host. The GPU backend returns before the id is known, so a decode step queued before
         that function is called runs while the host works on the token before it."""
+
+    # ---- hybrid models' recurrent layers (Gated DeltaNet: qwen35, qwen35moe, qwen3next) --------------
+
+    def causal_conv_silu(self, x: Array, weight: WeightHandle, state: Array, out: Array) -> None:
+        """Causal depthwise convolution with SiLU over a chunk of n tokens, continuing from `state`:
+
+            w = [state; x] (n + K - 1 rows);  out[t, c] = silu(sum_j weight[c, j] * w[t + j, c]);  state = w[-(K - 1):].
+
+        x: (n, channels) float32; weight: (channels, K), GGUF's `ssm_conv1d` ne = [K, channels]; state: (K - 1,
+        channels) float32, the inputs before the chunk (oldest first; zeros at a sequence's start), updated in
+        place; out: (n, channels) float32, must not alias x.
+        """
+
+    def gated_delta_net(
+        self, qkv: Array, ba: Array, dt_bias: WeightHandle, ssm_a: WeightHandle, state: Array, out: Array,
+        n_k_heads: int, tiled: bool,
+    ) -> None:
+        """The gated delta rule of a chunk of n tokens, continuing from `state` (H value heads, dk, dv):
+
+            q, k = L2-normalised (eps 1e-6) query and key heads, q also scaled by dk^-1/2;
+            beta = sigmoid(b), g = ssm_a * softplus(a + dt_bias)   (ssm_a as GGUF stores it: -exp(A_log));
+            per token t and value head h, with S = state[h]:
+                S = exp(g[t, h]) S;  S += k[t, h] (beta[t, h] (v[t, h] - S^T k[t, h]))^T;  o[t, h] = S^T q[t, h].
+
+        qkv: (n, 2 n_k_heads dk + H dv) float32, the convolved projection: n_k_heads query heads, as many key heads,
+        then H value heads; value head h reads key head h % n_k_heads when `tiled` (llama.cpp's qwen35 files order
+        them so), else h // (H / n_k_heads) (qwen3next files). ba: (n, 2 H) float32, b (beta logits) then a (decay
+        logits); dt_bias, ssm_a: (H,); state: (H, dk, dv) float32, zeros at a sequence's start, updated in place;
+        out: (n, H dv) float32, head-major. Accumulation in float32; a backend may run one token at a time or whole
+        chunks (engine/kernels/reference.py has both forms), the results agree to float32 rounding.
+        """
+
+    def gated_rms_norm(self, x: Array, gate: Array, weight: WeightHandle, eps: float, out: Array) -> None:
+        """out = rms_norm(x) * weight * silu(gate) over the last axis (the DeltaNet output norm).
+
+        x, gate: (..., d) float32, e.g. (n, heads, d); weight: (d,); out: like x, may be x itself.
+        """
+
+    def sigmoid_gate(self, x: Array, gate: Array, out: Array, accumulate: bool = False) -> None:
+        """out = x * sigmoid(gate), or out += x * sigmoid(gate) when `accumulate`.
+
+        x, out: (n, m) float32, out may be x (when not accumulating); gate: (n, m), or (n, 1) broadcast over the row
+        (the gated attention output and the shared expert's gate). Inputs may be column views of wider rows.
+        """

@@ -32,6 +32,15 @@ def architectures() -> set[str]:
     return set(ARCHITECTURES)
 
 
+# Hybrid Gated DeltaNet families: their recurrent layers have NumPy references only, no GPU kernels yet.
+CPU_ONLY_ARCHITECTURES = frozenset({"qwen35", "qwen35moe", "qwen3next"})
+
+
+def gpu_architectures() -> set[str]:
+    """The architectures the GPU backend runs; the others load on the CPU."""
+    return architectures() - CPU_ONLY_ARCHITECTURES
+
+
 def cpu_tensor_types() -> set[str]:
     """Tensor types the CPU path reads (every type it can dequantize)."""
     return {t.name for t in SUPPORTED_TYPES}
@@ -48,7 +57,7 @@ def profile() -> dict[str, Any]:
         "supported_architectures": architectures(),
         "supported_tensor_types": cpu_tensor_types(),
         "gpu_tensor_types": gpu_tensor_types(),
-        "gpu_architectures": architectures(),
+        "gpu_architectures": gpu_architectures(),
         "min_compute_capability": MIN_COMPUTE_CAPABILITY,
         # The CPU path keeps the quantized weights, about the file's size (engine/cpu/layout.py).
         "cpu_weights_dequantized_to_f32": False,

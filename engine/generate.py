@@ -14,7 +14,7 @@ from engine.arch.decoder import DecoderWeights, Workspace
 from engine.arch.parts import DecoderConfig
 from engine.backend import Backend, KVCache, SamplingParams
 from engine.errors import DamagedModel, EngineError
-from engine.kv_cache import CachedTokens
+from engine.kv_cache import CachedTokens, RecurrentCache
 from engine.sampler import Sampler
 from engine.tokenizer import Tokenizer
 
@@ -55,10 +55,10 @@ class ModelState:
     """Everything a forward pass needs, owned by one LoadedModel."""
 
     arch: Architecture
-    config: DecoderConfig
+    config: DecoderConfig  # a hybrid family's own config (engine/arch/qwen35.py)
     weights: DecoderWeights
     workspace: Workspace
-    cache: KVCache
+    cache: KVCache | RecurrentCache
     backend: Backend
     cached: CachedTokens
     decode_step: Callable[[], None]  # forward of ws.tokens[:1] at ws.start, possibly a replayed CUDA graph
@@ -77,6 +77,9 @@ def prefill(state: ModelState, prompt: list[int], should_stop: Callable[[], bool
     tokens reused), or (None, reused) when should_stop asked to stop between chunks."""
     check_fits(state, len(prompt))
     reused = state.cached.reusable_prefix(prompt)
+    recurrent = isinstance(state.cache, RecurrentCache)
+    if recurrent:
+        reused = state.cache.rewind(reused, len(state.cached))
     state.cached.keep(reused)
     chunk = state.workspace.max_chunk
     logits = None
@@ -86,6 +89,8 @@ def prefill(state: ModelState, prompt: list[int], should_stop: Callable[[], bool
         tokens = prompt[begin : begin + chunk]
         logits = run_chunk(state, tokens, begin)
         state.cached.append(tokens)
+    if recurrent:
+        state.cache.save(len(prompt))
     return logits[0], reused
 
 

@@ -1,6 +1,10 @@
-"""Which tokens the KV cache holds, so a new prompt can reuse the longest prefix it shares with them."""
+"""Which tokens the KV cache holds, so a new prompt can reuse the longest prefix it shares with them, and the
+state of hybrid models, whose recurrent layers can only go back to a saved point."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
 
 
 class CachedTokens:
@@ -31,3 +35,50 @@ class CachedTokens:
 
     def clear(self) -> None:
         self.tokens.clear()
+
+
+@dataclass
+class RecurrentCache:
+    """A hybrid model's state. `kv` holds the keys and values of its attention layers only (numbered among
+    themselves); each recurrent layer instead keeps a fixed-size state standing for the whole prefix: `conv`
+    (n_recurrent, kernel - 1, channels), the last inputs of its causal convolution, and `ssm` (n_recurrent,
+    v_heads, dk, dv), its delta-rule state. The live state stands for every token in CachedTokens; a chunk at
+    position 0 starts from zeros (`reset`).
+
+    Unlike KV entries such a state cannot be cut back to a shorter prefix, so one copy is kept: the state at the
+    end of the last prompt (`save`), where the next turn of a chat reuses from when the reply does not come back
+    token for token (re-tokenized, edited or regenerated). A prompt reuses the live state, that copy, or nothing.
+    """
+
+    kv: Any  # engine.backend.KVCache
+    conv: Any
+    ssm: Any
+    saved_conv: Any
+    saved_ssm: Any
+    saved_at: int | None = None  # tokens the copy stands for; None: no copy
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.kv.nbytes + 2 * (self.conv.nbytes + self.ssm.nbytes))
+
+    def reset(self) -> None:
+        self.conv[...] = 0
+        self.ssm[...] = 0
+        self.saved_at = None
+
+    def save(self, n_tokens: int) -> None:
+        self.saved_conv[...] = self.conv
+        self.saved_ssm[...] = self.ssm
+        self.saved_at = n_tokens
+
+    def rewind(self, reusable: int, live: int) -> int:
+        """How many of the `reusable` leading tokens (which the `live` tokens of the state begin with) can be
+        reused, after restoring the state that stands for them."""
+        if reusable >= live:
+            return live
+        if self.saved_at is not None and self.saved_at <= reusable:
+            self.conv[...] = self.saved_conv
+            self.ssm[...] = self.saved_ssm
+            return self.saved_at
+        self.saved_at = None  # the tokens after the cut change, and the copy with them
+        return 0

@@ -14,7 +14,7 @@ import psutil
 from engine.arch import architecture_module
 from engine.backend import Backend, MemoryInUse
 from engine.backend_numpy import NumpyBackend
-from engine.capabilities import DEFAULT_CONTEXT, MAX_PROMPT_CHUNK
+from engine.capabilities import DEFAULT_CONTEXT, MAX_PROMPT_CHUNK, gpu_architectures
 from engine.chat_template import ChatTemplate
 from engine.cpu.weights import held_nbytes
 from engine.errors import EngineError
@@ -43,12 +43,19 @@ class ModelInfo:
     has_chat_template: bool  # base models have none: they only continue plain text
 
 
-def select_backend(device: str) -> tuple[Backend, str]:
-    """The backend for device "auto", "cpu" or "cuda", and a sentence saying why it was chosen."""
+def select_backend(device: str, architecture: str | None = None) -> tuple[Backend, str]:
+    """The backend for device "auto", "cpu" or "cuda" (and a model of `architecture`), and a sentence saying why
+    it was chosen."""
     if device not in ("auto", "cpu", "cuda"):
         raise EngineError(f"device must be 'auto', 'cpu' or 'cuda', not {device!r}.")
     if device == "cpu":
         return NumpyBackend(), "The CPU (NumPy) backend was requested."
+    if architecture is not None and architecture not in gpu_architectures():
+        if device == "cuda":
+            raise EngineError(
+                f"The {architecture} architecture runs on the CPU only for now; load it with device='cpu' or 'auto'."
+            )
+        return NumpyBackend(), f"The {architecture} architecture runs on the CPU only for now (no GPU kernels yet)."
     try:
         gpu = importlib.import_module("engine.backend_cupy")
         reason = gpu.unavailable_reason()
@@ -222,12 +229,15 @@ def load_model(
             context = context_length
         tokenizer = Tokenizer(gguf)
         template = ChatTemplate.from_gguf(gguf)
-        backend, reason = select_backend(device)
+        backend, reason = select_backend(device, gguf.architecture)
         try:
             _check_cpu_memory(gguf, backend)
             weights = arch.load_weights(gguf, config, backend, context, on_progress, should_cancel)
             weight_bytes = backend.memory_in_use().total_bytes
-            cache = backend.kv_cache(config.n_layers, config.n_kv_heads, config.head_dim, context)
+            if hasattr(arch, "new_cache"):  # hybrid models: KV entries for some layers, recurrent state for the rest
+                cache = arch.new_cache(config, backend, context)
+            else:
+                cache = backend.kv_cache(config.n_layers, config.n_kv_heads, config.head_dim, context)
             workspace = arch.new_workspace(config, backend, min(MAX_PROMPT_CHUNK, context))
         except MemoryError:
             backend.close()

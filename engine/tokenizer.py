@@ -30,6 +30,11 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# Qwen3.5's: Qwen2's, with combining marks (\p{M}) kept in words and out of punctuation runs.
+_QWEN35_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 # Pre-tokenizer names (tokenizer.ggml.pre) whose merges were learned on another split than GPT-2's.
 _SPLITS = {
     "llama3": _LLAMA3_SPLIT,
@@ -39,6 +44,7 @@ _SPLITS = {
     "dbrx": _LLAMA3_SPLIT,
     "qwen2": _QWEN2_SPLIT,
     "deepseek-r1-qwen": _QWEN2_SPLIT,
+    "qwen35": _QWEN35_SPLIT,
 }
 
 

@@ -361,7 +361,7 @@ def cpu_tokens_per_second(model: CatalogModel, engine: EngineProfile) -> float:
 
 
 def _why_too_slow(model: CatalogModel, engine: EngineProfile, budget: _Budget) -> str:
-    gpu_hint = "" if budget.vram > 0 else "; on an NVIDIA GPU it would run far faster"
+    gpu_hint = "" if budget.vram > 0 or gpu_gap(model, engine) else "; on an NVIDIA GPU it would run far faster"
     return (
         f"Too slow on this PC's CPU: it reads {gb(cpu_bytes_read_per_token(model, engine))} of weights per token, "
         f"about {cpu_tokens_per_second(model, engine):.1f} tokens/s{gpu_hint}."

@@ -2,14 +2,16 @@
 
 Every family module reads its hyper-parameters from the GGUF into a DecoderConfig (engine/arch/parts.py) and
 runs on the one decoder (engine/arch/decoder.py), whose load_weights, new_workspace and forward it exports; a
-module is an `Architecture`.
+module is an `Architecture`. The hybrid Gated DeltaNet families (engine/arch/qwen35.py) still run their own layer
+loop, written before the decoder; their module also has new_cache(config, backend, max_tokens), since their state
+is more than a KVCache (engine.kv_cache.RecurrentCache).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable, Protocol, runtime_checkable
 
-from engine.arch import gemma3, llama, qwen3, qwen3moe
+from engine.arch import gemma3, llama, qwen3, qwen3moe, qwen35
 from engine.errors import EngineError
 
 if TYPE_CHECKING:
@@ -64,6 +66,9 @@ ARCHITECTURES: dict[str, Architecture] = {
     "qwen2": qwen3,
     "qwen3": qwen3,
     "qwen3moe": qwen3moe,
+    "qwen35": qwen35,
+    "qwen35moe": qwen35,
+    "qwen3next": qwen35,
 }
 
 

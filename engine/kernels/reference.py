@@ -242,3 +242,124 @@ def linear_q8(x: np.ndarray, weight: np.ndarray, out: np.ndarray) -> None:
     """What the GPU's decode matrix-vector product computes: `linear` on x after quantize_q8 (weight float32)."""
     q, q2, d, _ = quantize_q8(x)
     np.matmul(dequantize_q8(q, q2, d).astype(np.float32), weight.T, out=out)
+
+
+# ---- Gated DeltaNet (qwen35, qwen35moe, qwen3next) ----
+
+
+def _silu(x: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        return x / (1.0 + np.exp(-x))
+
+
+def causal_conv_silu(x: np.ndarray, weight: np.ndarray, state: np.ndarray, out: np.ndarray) -> None:
+    """out[t, c] = silu(sum_j weight[c, j] * w[t + j, c]) over the window w = [state; x]; then state = the last
+    K - 1 rows of w. x, out: (n, channels); weight: (channels, K); state: (K - 1, channels), oldest row first."""
+    n, k = x.shape[0], weight.shape[1]
+    window = np.concatenate([state, x])
+    acc = window[:n] * weight[:, 0]
+    for j in range(1, k):
+        acc += window[j : j + n] * weight[:, j]
+    state[...] = window[n:]
+    out[...] = _silu(acc)
+
+
+def delta_rule_inputs(
+    qkv: np.ndarray, ba: np.ndarray, dt_bias: np.ndarray, ssm_a: np.ndarray, n_k_heads: int, head_k_dim: int, tiled: bool
+) -> tuple[np.ndarray, ...]:
+    """q, k (n, v_heads, dk), v (n, v_heads, dv), beta and g (n, v_heads), all float32, from the convolved qkv
+    (n, 2 n_k_heads dk + v_heads dv) and the gate logits ba (n, 2 v_heads: b, then a): q and k L2-normalised
+    (eps 1e-6) and q scaled by dk^-1/2, beta = sigmoid(b), g = ssm_a * softplus(a + dt_bias) (ssm_a = -exp(A_log)).
+    Value head h reads key head h % n_k_heads when `tiled` (qwen35 files), else h // (v_heads / n_k_heads)."""
+    n = qkv.shape[0]
+    v_heads = ba.shape[1] // 2
+    key_dim = n_k_heads * head_k_dim
+    q = qkv[:, :key_dim].reshape(n, n_k_heads, head_k_dim)
+    k = qkv[:, key_dim : 2 * key_dim].reshape(n, n_k_heads, head_k_dim)
+    v = qkv[:, 2 * key_dim :].reshape(n, v_heads, -1)
+    q = q / np.sqrt(np.sum(q * q, axis=-1, keepdims=True) + np.float32(1e-6))
+    k = k / np.sqrt(np.sum(k * k, axis=-1, keepdims=True) + np.float32(1e-6))
+    q *= np.float32(head_k_dim**-0.5)
+    heads = np.arange(v_heads) % n_k_heads if tiled else np.arange(v_heads) // (v_heads // n_k_heads)
+    with np.errstate(over="ignore"):
+        beta = 1.0 / (1.0 + np.exp(-ba[:, :v_heads]))
+    g = ssm_a * np.logaddexp(np.float32(0), ba[:, v_heads:] + dt_bias)
+    return q[:, heads], k[:, heads], v, beta.astype(np.float32), g.astype(np.float32)
+
+
+def delta_rule_recurrent(q, k, v, beta, g, state: np.ndarray, out: np.ndarray) -> None:
+    """The gated delta rule token by token (the decode form), per value head h with S = state[h] (dk, dv):
+        S = exp(g_t) S;  S += k_t (beta_t (v_t - S^T k_t))^T;  o_t = S^T q_t.
+    q, k: (n, H, dk); v: (n, H, dv); beta, g: (n, H); state: (H, dk, dv) float32, updated; out: (n, H, dv)."""
+    for t in range(q.shape[0]):
+        state *= np.exp(g[t])[:, None, None]
+        delta = (v[t] - np.einsum("hkv,hk->hv", state, k[t])) * beta[t][:, None]
+        state += k[t][:, :, None] * delta[:, None, :]
+        out[t] = np.einsum("hkv,hk->hv", state, q[t])
+
+
+def delta_rule_chunked(q, k, v, beta, g, state: np.ndarray, out: np.ndarray, chunk: int = 64) -> None:
+    """The same result as delta_rule_recurrent, in chunks of `chunk` tokens (the prompt form): within a chunk,
+    with gamma the cumulative sum of g and decay[i, j] = exp(gamma_i - gamma_j) for j <= i, the updates of all
+    tokens come from one triangular solve, (I + strictly_lower(beta K K^T * decay)) [U W] = [beta V, beta K exp(gamma)];
+    then per chunk, in order:
+        V' = U - W S;  O = (Q exp(gamma)) S + (Q K^T * decay) V';  S = exp(gamma_last) S + (K exp(gamma_last - gamma))^T V'.
+    Padding tokens (k = 0, g = 0) leave the state as it is."""
+    n, heads, dk = k.shape
+    dv = v.shape[2]
+    pad = -n % chunk
+    # (n, H, d) -> (H, chunks, chunk, d)
+    def blocks(x):
+        x = np.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)).swapaxes(0, 1)
+        return x.reshape(heads, -1, chunk, *x.shape[2:])
+
+    q, k, v, beta, g = (blocks(x.astype(np.float32, copy=False)) for x in (q, k, v, beta, g))
+    gamma = np.cumsum(g, axis=-1)
+    lower = np.tril(np.ones((chunk, chunk), dtype=bool))
+    # Only the lower triangle is exponentiated: above it gamma_i - gamma_j > 0 could overflow.
+    decay = np.exp(np.where(lower, gamma[..., :, None] - gamma[..., None, :], -np.inf)).astype(np.float32)
+    k_beta = k * beta[..., None]
+    system = np.matmul(k_beta, k.swapaxes(-1, -2)) * decay
+    system = np.tril(system, -1) + np.eye(chunk, dtype=np.float32)
+    solved = np.linalg.solve(system, np.concatenate([v * beta[..., None], k_beta * np.exp(gamma)[..., None]], axis=-1))
+    u, w = solved[..., :dv], solved[..., dv:]
+    q_decayed = q * np.exp(gamma)[..., None]
+    last = gamma[..., -1:]
+    k_decayed = k * np.exp(last - gamma)[..., None]
+    scores = np.matmul(q, k.swapaxes(-1, -2)) * decay
+    result = np.empty((heads, q.shape[1], chunk, dv), np.float32)
+    for c in range(q.shape[1]):
+        v_new = u[:, c] - np.matmul(w[:, c], state)
+        result[:, c] = np.matmul(q_decayed[:, c], state) + np.matmul(scores[:, c], v_new)
+        state *= np.exp(last[:, c])[:, :, None]
+        state += np.matmul(k_decayed[:, c].swapaxes(-1, -2), v_new)
+    out[...] = result.reshape(heads, -1, dv)[:, :n].swapaxes(0, 1)
+
+
+def gated_delta_net(
+    qkv: np.ndarray, ba: np.ndarray, dt_bias: np.ndarray, ssm_a: np.ndarray, state: np.ndarray, out: np.ndarray,
+    n_k_heads: int, tiled: bool,
+) -> None:
+    """See Backend.gated_delta_net: one token runs the recurrent form, more the chunked one."""
+    q, k, v, beta, g = delta_rule_inputs(qkv, ba, dt_bias, ssm_a, n_k_heads, state.shape[1], tiled)
+    heads_out = out.reshape(qkv.shape[0], state.shape[0], state.shape[2])
+    if qkv.shape[0] == 1:
+        delta_rule_recurrent(q, k, v, beta, g, state, heads_out)
+    else:
+        delta_rule_chunked(q, k, v, beta, g, state, heads_out)
+
+
+def gated_rms_norm(x: np.ndarray, gate: np.ndarray, weight: np.ndarray, eps: float, out: np.ndarray) -> None:
+    """out = rms_norm(x) * weight * silu(gate) over the last axis; x, gate, out: (..., d); out may be x."""
+    rms_norm(x, weight, eps, out)
+    out *= _silu(gate)
+
+
+def sigmoid_gate(x: np.ndarray, gate: np.ndarray, out: np.ndarray, accumulate: bool = False) -> None:
+    """out = x * sigmoid(gate), or out += that when `accumulate`; gate (n, m) or (n, 1) broadcast over x (n, m)."""
+    with np.errstate(over="ignore"):
+        gated = x / (1.0 + np.exp(-gate))
+    if accumulate:
+        out += gated
+    else:
+        out[...] = gated

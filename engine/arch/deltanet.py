@@ -1,0 +1,110 @@
+"""The Gated DeltaNet mixer of the hybrid Qwen families (qwen35, qwen35moe, qwen3next) as backend calls.
+
+Per recurrent layer, from the normed input h:
+  one projection -> qkv (n_k query heads, n_k key heads, n_v value heads), z (the output gate, n_v heads) and
+  the gate logits b, a (n_v each) -> causal depthwise convolution (kernel 4) of qkv with SiLU, continuing from the
+  layer's convolution state -> the gated delta rule, continuing from the layer's delta-rule state -> RMSNorm of
+  each head's output times silu(z) -> output projection.
+
+How the files differ: qwen35/qwen35moe store `ssm_beta` and `ssm_alpha` and tile the value heads (value head h
+reads key head h % n_k); qwen3next stores one `ssm_ba`, per key head its b then its a rows, and groups the value
+heads (value head h reads key head h // (n_v / n_k)). Both store `ssm_a` as -exp(A_log) and `ssm_norm` as is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from gguf import GGMLQuantizationType
+
+from engine import quants
+from engine.arch.common import WeightLoader, concat_rows
+from engine.backend import Backend, WeightHandle
+from engine.gguf_file import GGUFFile, GGUFTensor
+
+
+@dataclass
+class DeltaNetWeights:
+    in_proj: list[WeightHandle]  # the rows of qkv, z and b-then-a in one matrix, or the three apart (types differ)
+    bounds: list[int]  # the column where each part of the projection output starts, and the end
+    conv: WeightHandle  # (conv_dim, kernel)
+    dt_bias: WeightHandle  # (n_v,)
+    ssm_a: WeightHandle  # (n_v,), -exp(A_log)
+    norm: WeightHandle  # (dv,)
+    out: WeightHandle  # (hidden, n_v dv)
+
+
+def select_rows(name: str, tensor: GGUFTensor, rows: np.ndarray) -> GGUFTensor:
+    """A matrix of some of `tensor`'s rows, in the given order (quantized blocks never straddle rows)."""
+    elements, block_bytes = quants.block_layout(tensor.qtype)
+    row_bytes = tensor.shape[1] // elements * block_bytes
+    raw = np.asarray(tensor.raw).reshape(tensor.shape[0], row_bytes)[rows].reshape(-1)
+    return GGUFTensor(name, tensor.qtype, (len(rows), tensor.shape[1]), raw)
+
+
+def gate_logits(gguf: GGUFFile, i: int, n_k_heads: int) -> tuple[GGUFTensor, int]:
+    """The b rows then the a rows, one per value head, and how many file tensors they came from. qwen3next's
+    ssm_ba holds, per key head, its value heads' b rows then their a rows."""
+    fused = gguf.tensors.get(f"blk.{i}.ssm_ba.weight")
+    if fused is None:
+        parts = [gguf.tensor(f"blk.{i}.ssm_{x}.weight") for x in ("beta", "alpha")]
+        joined = concat_rows(f"blk.{i}.ssm_beta_alpha.weight", parts)
+        if joined is None:  # types differ: the float32 rows of both
+            joined = _float_rows(f"blk.{i}.ssm_beta_alpha.weight", parts)
+        return joined, 2
+    per_k = fused.shape[0] // 2 // n_k_heads
+    groups = np.arange(fused.shape[0]).reshape(n_k_heads, 2, per_k)
+    order = np.concatenate([groups[:, 0].reshape(-1), groups[:, 1].reshape(-1)])
+    return select_rows(f"blk.{i}.ssm_ba.weight", fused, order), 1
+
+
+def _float_rows(name: str, parts: list[GGUFTensor]) -> GGUFTensor:
+    rows = np.concatenate([quants.dequantize(t.raw, t.qtype, t.shape).astype(np.float32) for t in parts])
+    return GGUFTensor(name, GGMLQuantizationType.F32, rows.shape, rows.reshape(-1).view(np.uint8))
+
+
+def load_mixer(gguf: GGUFFile, loader: WeightLoader, i: int, n_k_heads: int) -> DeltaNetWeights:
+    def t(name: str) -> GGUFTensor:
+        return gguf.tensor(f"blk.{i}.{name}")
+
+    ba, ba_count = gate_logits(gguf, i, n_k_heads)
+    parts = [t("attn_qkv.weight"), t("attn_gate.weight"), ba]
+    counts = [1, 1, ba_count]
+    bounds = list(np.cumsum([0] + [p.shape[0] for p in parts]))
+    fused = concat_rows(f"blk.{i}.ssm_in.weight", parts)
+    if fused is not None:
+        in_proj = [loader.upload(fused, counts_as=sum(counts))]
+    else:
+        in_proj = [loader.upload(p, counts_as=c) for p, c in zip(parts, counts)]
+    return DeltaNetWeights(
+        in_proj=in_proj,
+        bounds=[int(b) for b in bounds],
+        conv=loader.upload(t("ssm_conv1d.weight")),
+        dt_bias=loader.upload(t("ssm_dt.bias")),
+        ssm_a=loader.upload(t("ssm_a")),
+        norm=loader.upload(t("ssm_norm.weight")),
+        out=loader.upload(t("ssm_out.weight")),
+    )
+
+
+def mixer_block(
+    w: DeltaNetWeights, h, proj, mixed, core, out, conv_state, ssm_state, backend: Backend, n_k_heads: int,
+    tiled: bool, eps: float,
+) -> None:
+    """From the normed input h (n, hidden) to the mixer's output in `out` (n, hidden), advancing the layer's
+    conv_state (kernel - 1, conv_dim) and ssm_state (n_v, dk, dv). proj: (n, conv_dim + 2 n_v dv + 2 n_v),
+    mixed: (n, conv_dim) and core: (n, n_v dv) are working buffers."""
+    b = w.bounds
+    if len(w.in_proj) == 1:
+        backend.linear(h, w.in_proj[0], proj[:, : b[-1]])
+    else:
+        for weight, lo, hi in zip(w.in_proj, b, b[1:]):
+            backend.linear(h, weight, proj[:, lo:hi])
+    n = h.shape[0]
+    n_v, dv = ssm_state.shape[0], ssm_state.shape[2]
+    backend.causal_conv_silu(proj[:, : b[1]], w.conv, conv_state, mixed)
+    backend.gated_delta_net(mixed, proj[:, b[2] : b[3]], w.dt_bias, w.ssm_a, ssm_state, core, n_k_heads, tiled)
+    heads = core.reshape(n, n_v, dv)
+    backend.gated_rms_norm(heads, proj[:, b[1] : b[2]].reshape(n, n_v, dv), w.norm, eps, heads)
+    backend.linear(core, w.out, out)
