@@ -1,8 +1,10 @@
 """How much memory a model needs in our engine, where it fits on this PC, and which model to pick.
 
-The estimate describes what the engine allocates, not a generic rule of thumb:
-- GPU path: the GGUF's quantized bytes are uploaded as they are; KV cache in float16.
-- CPU path (NumPy): every weight is dequantized to float32 at load (4 bytes per weight), KV cache in float32.
+The estimate describes what the engine allocates (its EngineProfile says how it stores things), not a generic
+rule of thumb:
+- GPU path: the GGUF's quantized bytes are uploaded as they are; KV cache at the profile's element size.
+- CPU path: the quantized bytes kept as they are, or (a profile with cpu_weights_dequantized_to_f32) float32
+  copies, 4 bytes per weight; KV cache at the profile's element size.
 - Loading reads the file through a memory map once; those pages show in the process's memory but the OS can
   drop them, so they are reported and not required.
 - A mixture of experts can keep its dense part and some experts on the GPU and the other experts in RAM,
