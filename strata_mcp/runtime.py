@@ -231,6 +231,16 @@ class Runtime:
             if self.slot.model is model:
                 self.slot.last_chat = result
 
+    def _answering(self, slot: EngineSlot) -> Iterator[tuple[LoadedModel, threading.Event]]:
+        """The model of a slot just made busy, for one generation; ready again (and waiters told) afterwards."""
+        try:
+            yield slot.model, self._cancel_chat
+        finally:
+            with self._lock:
+                if slot.state == "busy":
+                    slot.state = "ready"
+                self._chat_done.notify_all()
+
     @contextmanager
     def chatting(self) -> Iterator[tuple[LoadedModel, threading.Event]]:
         """Hold the model for one chat; refuse when there is none or it is already answering."""
@@ -248,13 +258,7 @@ class Runtime:
                 raise UserError(f"No model is loaded{hint}. Call start with an installed model first.")
             slot.state = "busy"
             self._cancel_chat.clear()
-        try:
-            yield slot.model, self._cancel_chat
-        finally:
-            with self._lock:
-                if slot.state == "busy":
-                    slot.state = "ready"
-                self._chat_done.notify_all()
+        yield from self._answering(slot)
 
     @contextmanager
     def queued_chat(self, gave_up: Callable[[], bool]) -> Iterator[tuple[LoadedModel, threading.Event]]:
@@ -279,13 +283,7 @@ class Runtime:
                 raise ModelUnavailable("No model is loaded; start one (the start tool, or `strata serve MODEL`) and try again.")
             slot.state = "busy"
             self._cancel_chat.clear()
-        try:
-            yield slot.model, self._cancel_chat
-        finally:
-            with self._lock:
-                if slot.state == "busy":
-                    slot.state = "ready"
-                self._chat_done.notify_all()
+        yield from self._answering(slot)
 
     def queued_requests(self) -> int:
         """How many HTTP requests wait for the engine."""
