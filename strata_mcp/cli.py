@@ -155,11 +155,13 @@ def _start(runtime: Runtime, **options: Any) -> start.StartOutput:
     return result
 
 
-def _load(runtime: Runtime, args, skip: tuple[str, ...] = ()) -> None:
-    """Start the model the command's start options name and follow the load; exit unless it is ready."""
+def _load(runtime: Runtime, args, skip: tuple[str, ...] = (), announce: bool = False) -> None:
+    """Start the model the command's start options name and follow the load; exit unless it is ready. announce:
+    print the start result when it is ready too."""
     started = _start(runtime, **given(args, start.SPEC, skip=skip))
-    if started.engine.state != "ready":
+    if announce or started.engine.state != "ready":
         show(started, args.json)
+    if started.engine.state != "ready":
         raise SystemExit(1)
 
 
@@ -183,11 +185,12 @@ def cmd_serve(runtime: Runtime, args) -> None:
     """Load the model, serve it over HTTP and keep serving until Ctrl+C."""
     api_key = args.api_key or os.environ.get("STRATA_API_KEY") or None
     check_binding(args.host, api_key)  # before a long load, not after
-    _load(runtime, args, skip=("port",))
+    _load(runtime, args, skip=("port",), announce=True)
     server = serve(runtime, args.host, getattr(args, "port", None), api_key)
     info = call(runtime, connect_info.SPEC)
     show(info, args.json, [] if args.json else [f"{app}:\n    " + text.replace("\n", "\n    ")
                                                 for app, text in info.examples.items()])
+    sys.stdout.flush()  # a program reading our output through a pipe sees the address now, not at exit
     print("Serving; press Ctrl+C to stop.", file=sys.stderr)
     try:
         threading.Event().wait()
@@ -206,7 +209,7 @@ def cmd_logs(runtime: Runtime, args) -> None:
 
 
 def cmd_bench(runtime: Runtime, args) -> None:
-    _load(runtime, args)
+    _load(runtime, args, announce=True)
     show(call(runtime, benchmark.SPEC, **given(args, benchmark.SPEC)), args.json)
 
 
