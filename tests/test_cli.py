@@ -8,8 +8,10 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -20,6 +22,8 @@ from strata_mcp.tools import chat, check_pc, choose_model, install, start, statu
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", ROOT / "docs" / "AI_SETUP.md"]
 EMBEDDED = "smollm2-135m-instruct"
+KEY = "a-test-key"
+SERVE_WAIT_S = 600  # a served command that has not shown its address by then is killed, and the test fails
 
 
 def documented_commands() -> list[str]:
@@ -27,17 +31,45 @@ def documented_commands() -> list[str]:
     found: dict[str, None] = {}
     for doc in DOCS:
         for match in re.finditer(r"(?<![\w/-])(?:\.venv/bin/)?strata ([a-z][^`#\n]*)", doc.read_text()):
-            found[match.group(1).strip().replace("<id>", EMBEDDED)] = None
+            line = match.group(1).strip()
+            for placeholder, value in (("<id>", EMBEDDED), ("MODEL", EMBEDDED), ("<secret>", KEY), ("KEY", KEY)):
+                line = line.replace(placeholder, value)
+            found[line] = None
     return list(found)
 
 
-def strata(data_dir: Path | str, *args: str) -> subprocess.CompletedProcess:
+def _command(data_dir: Path | str, *args: str) -> tuple[list[str], dict[str, str]]:
     found = shutil.which("strata", path=str(Path(sys.executable).parent)) or shutil.which("strata")
     assert found, "the strata console script is not installed (pip install -e '.[test]')"
     env = {**os.environ, "STRATA_DATA_DIR": str(data_dir), "CUDA_VISIBLE_DEVICES": ""}
-    env.pop("HF_TOKEN", None)
-    return subprocess.run([found, *args], env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                          timeout=900)
+    for name in ("HF_TOKEN", "STRATA_API_KEY"):
+        env.pop(name, None)
+    return [found, *args], env
+
+
+def strata(data_dir: Path | str, *args: str) -> subprocess.CompletedProcess:
+    command, env = _command(data_dir, *args)
+    return subprocess.run(command, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=900)
+
+
+def assert_serves(data_dir: Path, *args: str) -> None:
+    """`strata serve ...` runs until interrupted: it must print the endpoint's address, then end cleanly on Ctrl+C."""
+    command, env = _command(data_dir, *args)
+    process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    watchdog = threading.Timer(SERVE_WAIT_S, process.kill)
+    watchdog.start()
+    try:
+        lines = [process.stdout.readline() for _ in range(2)]
+        assert "is ready" in lines[0] and "http://" in lines[1], lines
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=60) == 0
+        assert "Traceback" not in process.stderr.read()
+    finally:
+        watchdog.cancel()
+        if process.poll() is None:
+            process.kill()
+            process.wait()
 
 
 def assert_clean(run: subprocess.CompletedProcess) -> None:
@@ -53,7 +85,11 @@ def test_the_docs_show_the_commands():
 @pytest.mark.slow
 @pytest.mark.parametrize("line", documented_commands())
 def test_every_documented_command_runs(line, installed_data_dir):
-    assert_clean(strata(installed_data_dir, *shlex.split(line)))
+    args = shlex.split(line)
+    if args[0] == "serve":
+        assert_serves(installed_data_dir, *args)
+    else:
+        assert_clean(strata(installed_data_dir, *args))
 
 
 @pytest.mark.slow
