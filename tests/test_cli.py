@@ -113,7 +113,8 @@ def _options(command: str) -> set[str]:
         ("check", [check_pc.SPEC], set()),
         ("choose", [choose_model.SPEC], set()),
         ("install", [install.SPEC], {"confirm", "wait_seconds"}),  # --yes after the plan; followed to the end
-        ("chat", [start.SPEC, chat.SPEC], {"wait_seconds"}),
+        # chat answers one prompt and exits, so it does not serve: `strata serve` does.
+        ("chat", [start.SPEC, chat.SPEC], {"wait_seconds", "serve", "port"}),
         ("status", [status.SPEC], set()),
     ],
 )
