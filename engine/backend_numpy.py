@@ -135,15 +135,15 @@ class NumpyBackend:
         reference.rope_store_kv(q, k, v, rope.cos, rope.sin, style, kc, vc, p)
         reference.attention(q, kc, vc, p, out, scale, window)
 
-    def causal_conv_silu(self, x, weight: NumpyWeight, state, out) -> None:
-        reference.causal_conv_silu(x, weight.data, state, out)
+    def causal_conv_silu(self, x, weight: CpuWeight, state, out) -> None:
+        reference.causal_conv_silu(x, weight.dense, state, out)
 
-    def gated_delta_net(self, qkv, ba, dt_bias: NumpyWeight, ssm_a: NumpyWeight, state, out, n_k_heads: int,
+    def gated_delta_net(self, qkv, ba, dt_bias: CpuWeight, ssm_a: CpuWeight, state, out, n_k_heads: int,
                         tiled: bool) -> None:
-        reference.gated_delta_net(qkv, ba, dt_bias.data, ssm_a.data, state, out, n_k_heads, tiled)
+        reference.gated_delta_net(qkv, ba, dt_bias.dense, ssm_a.dense, state, out, n_k_heads, tiled)
 
-    def gated_rms_norm(self, x, gate, weight: NumpyWeight, eps: float, out) -> None:
-        reference.gated_rms_norm(x, gate, weight.data, eps, out)
+    def gated_rms_norm(self, x, gate, weight: CpuWeight, eps: float, out) -> None:
+        reference.gated_rms_norm(x, gate, weight.dense, eps, out)
 
     def sigmoid_gate(self, x, gate, out, accumulate: bool = False) -> None:
         reference.sigmoid_gate(x, gate, out, accumulate)
