@@ -37,11 +37,12 @@ async def test_serve_connect_logs_and_benchmark(installed_data_dir):
                                          "anthropic_python", "curl"}
         assert f"ANTHROPIC_BASE_URL={base}" in info["examples"]["claude_code"]
 
-        client = openai.AsyncOpenAI(base_url=info["openai_base_url"], api_key="local", max_retries=0)
-        reply = await client.chat.completions.create(
-            model=info["model"], messages=[{"role": "user", "content": "What is the capital of France?"}],
-            max_tokens=8, temperature=0,
-        )
+        # Closed here: an unclosed client closes its connections from __del__, in whichever test's loop runs then.
+        async with openai.AsyncOpenAI(base_url=info["openai_base_url"], api_key="local", max_retries=0) as client:
+            reply = await client.chat.completions.create(
+                model=info["model"], messages=[{"role": "user", "content": "What is the capital of France?"}],
+                max_tokens=8, temperature=0,
+            )
         assert "Paris" in reply.choices[0].message.content
         status = await call(session, "status")  # the MCP side sees the request the HTTP side served
         assert status["engine"]["last_chat"]["completion_tokens"] == reply.usage.completion_tokens
