@@ -187,12 +187,12 @@ def cmd_serve(runtime: Runtime, args) -> None:
     check_binding(args.host, api_key)  # before a long load, not after
     _load(runtime, args, skip=("port",), announce=True)
     server = serve(runtime, args.host, getattr(args, "port", None), api_key)
-    info = call(runtime, connect_info.SPEC)
-    show(info, args.json, [] if args.json else [f"{app}:\n    " + text.replace("\n", "\n    ")
-                                                for app, text in info.examples.items()])
-    sys.stdout.flush()  # a program reading our output through a pipe sees the address now, not at exit
-    print("Serving; press Ctrl+C to stop.", file=sys.stderr)
-    try:
+    try:  # from here on Ctrl+C is how serving ends, even before the address is shown
+        info = call(runtime, connect_info.SPEC)
+        show(info, args.json, [] if args.json else [f"{app}:\n    " + text.replace("\n", "\n    ")
+                                                    for app, text in info.examples.items()])
+        sys.stdout.flush()  # a program reading our output through a pipe sees the address now, not at exit
+        print("Serving; press Ctrl+C to stop.", file=sys.stderr)
         threading.Event().wait()
     except KeyboardInterrupt:
         pass
