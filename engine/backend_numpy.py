@@ -13,8 +13,9 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from engine import quants
-from engine.backend import KVCache, MemoryInUse, RopeTable, SamplingParams
+from engine.backend import ROPE_NEOX, KVCache, MemoryInUse, RopeTable, SamplingParams
 from engine.capabilities import CPU_KV_DTYPE
+from engine.cpu import ops
 from engine.cpu.weights import CpuWeight, activation_for, load, product, rows_f32
 from engine.errors import EngineError
 from engine.gguf_file import GGUFTensor
@@ -91,10 +92,13 @@ class NumpyBackend:
             out *= np.float32(scale)
 
     def rms_norm(self, x: np.ndarray, weight: CpuWeight, eps: float, out: np.ndarray) -> None:
-        reference.rms_norm(x, weight.dense, eps, out)
+        if x.ndim == 2:
+            ops.rms_norm(x, weight.dense, eps, out)
+        else:  # per-head norms on (n, heads, d) views, which need not reshape without a copy
+            reference.rms_norm(x, weight.dense, eps, out)
 
     def add_rms_norm(self, x, residual, weight: CpuWeight, eps: float, out) -> None:
-        reference.add_rms_norm(x, residual, weight.dense, eps, out)
+        ops.add_rms_norm(x, residual, weight.dense, eps, out)
 
     def linear(self, x, weight: CpuWeight, out, bias: CpuWeight | None = None) -> None:
         product(weight, x, out)
@@ -132,6 +136,9 @@ class NumpyBackend:
     def rope_attention(self, q, k, v, rope: RopeTable, style: str, cache: KVCache, layer: int, start, out,
                        scale: float, window: int = 0) -> None:
         kc, vc, p = cache.k[layer], cache.v[layer], int(start[0])
+        if q.shape[0] == 1:
+            ops.rope_attention_one(q, k, v, rope.cos, rope.sin, style == ROPE_NEOX, kc, vc, p, out, scale, window)
+            return
         reference.rope_store_kv(q, k, v, rope.cos, rope.sin, style, kc, vc, p)
         reference.attention(q, kc, vc, p, out, scale, window)
 

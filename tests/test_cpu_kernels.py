@@ -1,12 +1,12 @@
 """engine/cpu against gguf's own dequantizers: every packed type's product against a float64 product of
 `gguf.quants.dequantize`, the repacked rows bit-identical to it, and the prompt (tiled BLAS) path.
 
-Error bound. The kernels sum float32 terms d * q * x over a group's 32 values, scale by d, add the group's
-offset m times the sum of x, and sum the groups. Each term passes through at most 1 product rounding, 31
-additions in its group, 1 scaling, and one addition per group of the row (2 per group for Q6_K's two
-half-groups), plus the offset's own sum of 32 values and product. With u = 2**-24, any summation order gives
-|error| <= (2 G + 40) u T (first order), G the groups in a row and T the sum over the row of
-(|d q| + |m|) |x| <= (|w| + 2 |m|) |x|, where |m| is bounded from the block's own fp16 fields below.
+Error bound. A one-token product first rounds x to int16 per 32 values (scale = the group's largest |x| / 32767),
+so it computes sum(w * x') exactly where |x - x'| <= scale / 2: that part of the
+error is at most sum over groups of scale / 2 * sum |w|. The integer group sums are exact; the float steps after
+them (scales, the per-group offset terms, the sum over groups) add at most (2 G + 40) u T (first order), G the
+groups in a row, u = 2**-24 and T the sum over the row of (|d q| + |m|) |x'| <= (|w| + 2 |m|) (|x| + scale / 2),
+where |m| is bounded from the block's own fp16 fields below.
 """
 
 from __future__ import annotations
@@ -57,9 +57,11 @@ def _weight(qtype: T, rows: int, k: int, rng) -> tuple[np.ndarray, np.ndarray, n
 
 def _check(got, values, offsets, x, groups_per_row):
     """got (rows,) against values (rows, k) @ x (1, k)."""
-    want = values @ x[0].astype(np.float64)
-    terms = (np.abs(values) + 2 * offsets) @ np.abs(x[0].astype(np.float64))
-    bound = (2 * groups_per_row + 40) * U * terms
+    x64 = x[0].astype(np.float64)
+    want = values @ x64
+    half_step = np.repeat(np.abs(x64).reshape(-1, 32).max(axis=1) / 32767 / 2, 32) * (1 + 1e-6)
+    terms = (np.abs(values) + 2 * offsets) @ (np.abs(x64) + half_step)
+    bound = np.abs(values) @ half_step + (2 * groups_per_row + 40) * U * terms
     assert np.all(np.abs(got - want) <= bound), np.max(np.abs(got - want) / bound)
 
 
@@ -122,13 +124,16 @@ def test_prompt_products_over_row_tiles_and_row_ranges(qtype, monkeypatch):
             raw.reshape(-1, nbytes)[:, at : at + 2] = rng.uniform(1e-3, 1e-2, (rows * k // elements, 1)).astype("<f2").view(np.uint8)
         values = dequantize(raw, qtype).astype(np.float64).reshape(rows, k)
     else:
-        raw, values, _ = _weight(qtype, rows, k, rng)
+        raw, values, offsets = _weight(qtype, rows, k, rng)
     w = weights.load("w", raw, qtype, (2, 10, k))  # stacked like two experts
     assert (w.planes is not None) == (qtype in layout.PACKED_TYPES)
     for n in (1, 4):
         x = rng.standard_normal((n, k)).astype(np.float32)
         out = np.full((n, 7), np.nan, np.float32)
         weights.product(w, x, out, 11, 18)
+        if n == 1 and w.planes is not None:  # one token: the kernels on int16 activations
+            _check(out[0], values[11:18], offsets[11:18], x, k // 32)
+            continue
         want = x.astype(np.float64) @ values[11:18].T
         # float32 rows exact, then a float32 product of k terms in any order: (k - 1) u times the sum of |terms|
         assert np.all(np.abs(out - want) <= k * U * (np.abs(x) @ np.abs(values[11:18]).T))
@@ -154,7 +159,7 @@ def test_the_memory_check_counts_what_the_load_keeps(qtype):
 
 def test_an_activation_is_reused_only_for_the_same_values():
     rng = np.random.default_rng(7)
-    raw, values, _ = _weight(T.Q8_0, 8, 64, rng)
+    raw, values, offsets = _weight(T.Q8_0, 8, 64, rng)
     w = weights.load("w", raw, T.Q8_0, (8, 64))
     x = rng.standard_normal((1, 64)).astype(np.float32)
     first, second = np.empty((1, 8), np.float32), np.empty((1, 8), np.float32)
@@ -162,4 +167,16 @@ def test_an_activation_is_reused_only_for_the_same_values():
     x *= 2  # the same buffer, new values: the products must not reuse the layout made for the old ones
     weights.product(w, x, second)
     np.testing.assert_allclose(second, 2 * first, rtol=1e-6)
-    np.testing.assert_allclose(second[0], values @ x[0], rtol=1e-5)
+    _check(second[0], values, offsets, x, 2)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_a_non_finite_activation_gives_non_finite_products(bad):
+    """A damaged model's NaN must reach the logits (engine/generate.py reports it), not be rounded away."""
+    rng = np.random.default_rng(8)
+    raw, _, _ = _weight(T.Q4_0, 4, 64, rng)
+    x = rng.standard_normal(64).astype(np.float32)
+    x[40] = bad
+    out = np.zeros(4, np.float32)
+    products.matvec(layout.pack(raw, T.Q4_0, 4, 64), products.activation(x), out)
+    assert not np.isfinite(out).any()

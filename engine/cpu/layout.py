@@ -1,16 +1,15 @@
-"""GGUF blocks repacked at load into the planes the CPU kernels read, and back to float32 rows.
+"""GGUF blocks repacked at load into the blocks the CPU kernels read, and back to float32 rows.
 
-Every supported type becomes 32-value groups. For group b of a row, plane byte j (of 16) holds value j in its
-low nibble and value j + 16 in its high nibble, and the planes are stored group-minor: `lo[row, j, b]`. A kernel
-then walks b contiguously for a fixed j, so LLVM vectorizes across groups with plain loads (GGUF's own order
-makes it gather bytes). Types:
+Every supported type becomes 32-value groups, stored row by row, a row's groups one after another. In the 16
+bytes of a 4-bit group, byte j holds value j in its low nibble and value j + 16 in its high nibble (GGUF's own
+order for Q4_0), so a kernel widens a group to 32 bytes with one mask and one shift. Types:
 
-- "nibble" (Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K): value = d[b] * (lo | hi << 4) + m[b], where the optional
-  `hi` plane (row, 4, groups) holds value 8 t + u's fifth bit in bit u of byte t. K-quant sub-block scales and
-  mins are folded into d and m (float32), so one kernel reads all six types.
-- "q8" (Q8_0): value = d[b] * q, q int8 in plane (row, 32, groups).
-- "q6k" (Q6_K): value = d[b, half] * ((lo | hi2 << 4) - 32), hi2 (row, 8, groups) holding 2 bits a value
-  (byte t, bits 2 u..2 u + 1 = value 4 t + u), one scale per 16 values.
+- "nibble" (Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K): value = d[b] * (lo | hi << 4) + m[b]; the optional `hi` holds
+  4 bytes a group, bit i of their little-endian word the fifth bit of value i. K-quant sub-block scales and mins
+  are folded into d and m (float32), so one kernel reads all six types.
+- "q8" (Q8_0): value = d[b] * q, 32 int8 a group.
+- "q6k" (Q6_K): value = d[2 b + half] * ((lo | hi2 << 4) - 32), `hi` 8 bytes a group, bits 2 s..2 s + 1 of byte
+  t the top bits of value t + 8 s; one scale per 16 values.
 
 Float scales take more room than GGUF's fp16 / 6-bit ones: 0.75 bytes a weight for the 4-bit types against
 0.5625-0.625 in the file, a price paid for one simple kernel per family.
@@ -23,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 from gguf import GGMLQuantizationType as T
 
-from engine.cpu import kernels
+from engine.cpu import unpack as unpack_rows
 from engine.quant_fields import bits_little, f16_field, split_bits
 from engine.quants import block_layout
 
@@ -38,9 +37,9 @@ class Planes:
 
     family: str  # "nibble", "q8" or "q6k"
     k: int
-    lo: np.ndarray  # uint8 (rows, 16, groups); int8 (rows, 32, groups) for "q8"
-    hi: np.ndarray  # uint8 (rows, 4 or 0, groups) for "nibble", (rows, 8, groups) for "q6k", (rows, 0, groups)
-    d: np.ndarray  # float32 (rows, groups); (rows, 2, groups) for "q6k"
+    lo: np.ndarray  # uint8 (rows, 16 groups); int8 (rows, 32 groups) for "q8"
+    hi: np.ndarray  # uint8 (rows, 4 groups or 0) for "nibble", (rows, 8 groups) for "q6k", (rows, 0) for "q8"
+    d: np.ndarray  # float32 (rows, groups); (rows, 2 groups) for "q6k"
     m: np.ndarray  # float32 (rows, groups); (rows, 0) when the family has no offset
 
     @property
@@ -69,35 +68,33 @@ def pack(raw: np.ndarray, qtype: T, rows: int, k: int) -> Planes:
     blocks = np.ascontiguousarray(raw).reshape(-1).view(np.uint8).reshape(-1, block_bytes)
     groups = k // GROUP
     if qtype == T.Q8_0:
-        q = blocks[:, 2:].view(np.int8).reshape(rows, groups, GROUP)
-        return Planes("q8", k, _group_minor(q), np.zeros((rows, 0, groups), np.uint8),
+        q = blocks[:, 2:].view(np.int8).reshape(rows, -1)
+        return Planes("q8", k, np.ascontiguousarray(q), np.zeros((rows, 0), np.uint8),
                       f16_field(blocks, 0).reshape(rows, groups), np.zeros((rows, 0), np.float32))
     if qtype == T.Q6_K:
         return _pack_q6k(blocks, rows, k)
     q, d, m = _nibble_values(blocks, qtype)  # q: (rows * groups, 32) values 0-31; d, m: (rows * groups,)
-    q = q.reshape(rows, groups, GROUP)
-    lo = (q[..., :16] & np.uint8(15)) | ((q[..., 16:] & np.uint8(15)) << np.uint8(4))
     if qtype in (T.Q5_0, T.Q5_1, T.Q5_K):
-        hi = np.packbits(q >> np.uint8(4), axis=-1, bitorder="little")  # (rows, groups, 4)
+        hi = np.packbits(q >> np.uint8(4), axis=-1, bitorder="little").reshape(rows, -1)
     else:
-        hi = np.zeros((rows, groups, 0), np.uint8)
-    return Planes("nibble", k, _group_minor(lo), _group_minor(hi), d.reshape(rows, groups), m.reshape(rows, groups))
+        hi = np.zeros((rows, 0), np.uint8)
+    return Planes("nibble", k, _nibble_bytes(q).reshape(rows, -1), hi, d.reshape(rows, groups), m.reshape(rows, groups))
 
 
 def unpack(planes: Planes, rows: np.ndarray | slice, out: np.ndarray) -> None:
     """Write the float32 values of the selected rows into out (n, k), C-contiguous."""
     picked = np.arange(planes.rows)[rows] if isinstance(rows, slice) else np.asarray(rows, np.int64)
     if planes.family == "nibble":
-        kernels.nibble_unpack(planes.lo, planes.hi, planes.d, planes.m, picked, out)
+        unpack_rows.nibble_rows(planes.lo, planes.hi, planes.d, planes.m, picked, out)
     elif planes.family == "q8":
-        kernels.q8_unpack(planes.lo, planes.d, picked, out)
+        unpack_rows.q8_rows(planes.lo, planes.d, picked, out)
     else:
-        kernels.q6k_unpack(planes.lo, planes.hi, planes.d, picked, out)
+        unpack_rows.q6k_rows(planes.lo, planes.hi, planes.d, picked, out)
 
 
-def _group_minor(a: np.ndarray) -> np.ndarray:
-    """(rows, groups, j) -> (rows, j, groups), contiguous."""
-    return np.ascontiguousarray(a.transpose(0, 2, 1))
+def _nibble_bytes(q: np.ndarray) -> np.ndarray:
+    """Values (n, 32) -> (n, 16) bytes: value j's low 4 bits in byte j's low nibble, value j + 16's in its high one."""
+    return (q[:, :16] & np.uint8(15)) | ((q[:, 16:] & np.uint8(15)) << np.uint8(4))
 
 
 def _nibble_values(blocks: np.ndarray, qtype: T) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -140,10 +137,7 @@ def _pack_q6k(blocks: np.ndarray, rows: int, k: int) -> Planes:
     high = split_bits(blocks[:, 128:192].reshape(n, 2, 32), 2).reshape(n, 2, 128)
     q = (low | (high << np.uint8(4))).reshape(-1, GROUP)  # 0-63, value + 32
     scales = blocks[:, 192:208].view(np.int8).astype(np.float32) * f16_field(blocks, 208)  # (n, 16): per 16 values
-    groups = k // GROUP
-    q = q.reshape(rows, groups, GROUP)
-    lo = (q[..., :16] & np.uint8(15)) | ((q[..., 16:] & np.uint8(15)) << np.uint8(4))
-    top = (q >> np.uint8(4)).reshape(rows, groups, 8, 4)
-    hi = (top[..., 0] | (top[..., 1] << np.uint8(2)) | (top[..., 2] << np.uint8(4)) | (top[..., 3] << np.uint8(6)))
-    d = scales.reshape(rows, groups, 2).transpose(0, 2, 1)
-    return Planes("q6k", k, _group_minor(lo), _group_minor(hi), np.ascontiguousarray(d), np.zeros((rows, 0), np.float32))
+    top = (q >> np.uint8(4)).reshape(-1, 4, 8)  # [group, s, t]: value t + 8 s
+    hi = top[:, 0] | (top[:, 1] << np.uint8(2)) | (top[:, 2] << np.uint8(4)) | (top[:, 3] << np.uint8(6))
+    return Planes("q6k", k, _nibble_bytes(q).reshape(rows, -1), hi.reshape(rows, -1), scales.reshape(rows, -1),
+                  np.zeros((rows, 0), np.float32))

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.cpu import kernels
+from engine.cpu import dot
 from engine.cpu.layout import Planes
 
 # Weights a product must read before it is split over threads.
@@ -23,17 +23,18 @@ _pool: ThreadPoolExecutor | None = None
 
 @dataclass
 class Activation:
-    """One token's activation as the kernels read it, made once and shared by every product on it."""
+    """One token's activation as the kernels read it, quantized once and shared by every product on it."""
 
-    xt: np.ndarray  # (32, groups): value j of group b at [j, b]
-    sums: np.ndarray  # (groups,): each group's sum
+    q: np.ndarray  # (k,) int16
+    scale: np.ndarray  # (groups,) float32: value = scale * q within a 32-value group
+    sums: np.ndarray  # (groups,): each group's sum of values (what an offset multiplies)
     half_sums: np.ndarray  # (2, groups): each group's first and last 16 values summed (Q6_K)
     source: np.ndarray  # the x it was made from (a copy)
 
 
 def activation(x: np.ndarray) -> Activation:
     """x: (k,) float32, k a multiple of 32."""
-    return Activation(*kernels.activation_layout(x), source=x.copy())
+    return Activation(*dot.quantize_activation(x), source=x.copy())
 
 
 _CPUS = os.cpu_count() or 1
@@ -59,11 +60,11 @@ def matvec(planes: Planes, act: Activation, out: np.ndarray) -> None:
 
 def _rows(planes: Planes, act: Activation, out: np.ndarray, r0: int, r1: int) -> None:
     if planes.family == "nibble":
-        kernels.nibble_rows(planes.lo, planes.hi, planes.d, planes.m, act.xt, act.sums, out, r0, r1)
+        dot.nibble_rows(planes.lo, planes.hi, planes.d, planes.m, act.q, act.scale, act.sums, out, r0, r1)
     elif planes.family == "q8":
-        kernels.q8_rows(planes.lo, planes.d, act.xt, out, r0, r1)
+        dot.q8_rows(planes.lo, planes.d, act.q, act.scale, out, r0, r1)
     else:
-        kernels.q6k_rows(planes.lo, planes.hi, planes.d, act.xt, act.half_sums, out, r0, r1)
+        dot.q6k_rows(planes.lo, planes.hi, planes.d, act.q, act.scale, act.half_sums, out, r0, r1)
 
 
 def _workers() -> ThreadPoolExecutor:

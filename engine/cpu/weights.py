@@ -40,13 +40,9 @@ class CpuWeight:
         held = self.dense if self.dense is not None else self.planes if self.planes is not None else self.blocks
         return int(held.nbytes)
 
-    @property
-    def k(self) -> int:
-        return self.shape[-1]
-
-    @property
-    def rows(self) -> int:
-        return int(np.prod(self.shape[:-1], dtype=np.int64))
+    def __post_init__(self) -> None:
+        self.k = self.shape[-1]
+        self.rows = int(np.prod(self.shape[:-1], dtype=np.int64))  # as (rows, k); read on every product
 
 
 def held_nbytes(qtype: T, shape: tuple[int, ...]) -> int:
@@ -111,7 +107,8 @@ def product(w: CpuWeight, x: np.ndarray, out: np.ndarray, start: int = 0, stop: 
     if w.dense is not None:
         np.matmul(x, w.dense.reshape(-1, w.k)[start:stop].T, out=out)
     elif w.planes is not None and x.shape[0] == 1:
-        products.matvec(w.planes.slice_rows(start, stop), act or _activation(x[0]), out[0])
+        planes = w.planes if start == 0 and stop == w.rows else w.planes.slice_rows(start, stop)
+        products.matvec(planes, act or _activation(x[0]), out[0])
     else:
         tile = max(1, TILE_ELEMENTS // w.k)
         scratch = _scratch(min(tile, stop - start) * w.k)

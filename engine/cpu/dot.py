@@ -1,0 +1,240 @@
+"""One-token matrix-vector products on the packed blocks of engine/cpu/layout.py, int16 activations, numba.
+
+numba alone leaves the integer dot products in scalar int64 arithmetic or gathers across groups (about 40% of
+llama.cpp's speed a core, shared/reference/cpu-kernels.md); here each 32-value group of a row is one vector step:
+the quants are widened to 16 bits, multiplied with the activation's int16 values and summed in pairs (on x86 with
+AVX2 `vpmaddwd`; elsewhere plain vector code that LLVM lowers for the host, NEON included), the 8 lanes become
+floats and one multiply-add per group adds them, scaled, into a float accumulator that is summed once per row.
+The weight stream is prefetched PREFETCH_BYTES ahead: this host's hardware prefetcher stops following rows longer
+than about 2 KB.
+
+The activation is rounded to int16 per 32 values (a step of 1/32767 of the group's largest value), not to int8 as
+llama.cpp's CPU kernels do: int8 (`vpmaddubsw`) ran 10-25% faster here but moved SmolLM2's logits by up to 2% of
+their range (0.67 of 34), enough to change greedy answers; int16 moves them by about 1e-4 of it. Measured and not
+kept: 2 or 4 rows a pass sharing each activation load (no faster on one Zen 5 core, where the loop is bound by its
+vector instructions, not by loads).
+
+The row kernels sit in this file with the vector code they inline: numba's cache is keyed on the source file of
+a kernel, so a change here recompiles them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import binding, ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+PREFETCH_BYTES = 4096
+
+_I8, _I16, _I32, _I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+_F32 = ir.FloatType()
+# Reordered and fused float steps, but NaN and inf kept: a damaged model's NaN must reach the logits.
+_FAST = ("reassoc", "contract")
+_AVX2 = bool(binding.get_host_cpu_features().get("avx2"))
+
+
+def _vec(t, n):
+    return ir.VectorType(t, n)
+
+
+def _const(t, values):
+    return ir.Constant(_vec(t, len(values)), list(values))
+
+
+def _function(builder, name, ret, args):
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, args), name)
+
+
+def _load(builder, base, offset, n):
+    pointer = builder.bitcast(builder.gep(base, [offset]), _vec(_I8, n).as_pointer())
+    return builder.load(pointer, align=1)
+
+
+def _prefetch(builder, base, offset):
+    pointer = builder.gep(base, [builder.add(offset, _I64(PREFETCH_BYTES))])
+    prefetch = _function(builder, "llvm.prefetch.p0i8", ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32])
+    builder.call(prefetch, [pointer, _I32(0), _I32(3), _I32(1)])
+
+
+def _shuffle(builder, a, b, indices):
+    return builder.shuffle_vector(a, b, _const(_I32, list(indices)))
+
+
+def _concat(builder, a, b):
+    return _shuffle(builder, a, b, range(a.type.count + b.type.count))
+
+
+def _pair_sums(builder, w, x):
+    """<16 x i16> w times <16 x i16> x, summed in pairs: <8 x i32>."""
+    if _AVX2:
+        return builder.call(_function(builder, "llvm.x86.avx2.pmadd.wd", _vec(_I32, 8), [_vec(_I16, 16)] * 2), [w, x])
+    p = builder.mul(builder.sext(w, _vec(_I32, 16)), builder.sext(x, _vec(_I32, 16)))
+    return builder.add(_shuffle(builder, p, p, range(0, 16, 2)), _shuffle(builder, p, p, range(1, 16, 2)))
+
+
+def _halves(builder, w, x, signed):
+    """<32 x i8> quants w (signed or not) times <32 x i16> x: (values 0-15, values 16-31), each <8 x i32>."""
+    wide = (builder.sext if signed else builder.zext)(w, _vec(_I16, 32))
+    return tuple(_pair_sums(builder, _shuffle(builder, wide, wide, range(h, h + 16)), _shuffle(builder, x, x, range(h, h + 16)))
+                 for h in (0, 16))
+
+
+def _nibbles(builder, lo):
+    """16 bytes -> <32 x u8>: the low nibbles are values 0-15, the high ones 16-31."""
+    return _concat(builder, builder.and_(lo, _const(_I8, [15] * 16)), builder.lshr(lo, _const(_I8, [4] * 16)))
+
+
+def _fifth_bits(builder, hi):
+    """4 bytes, bit i of their little-endian word the fifth bit of value i -> <32 x u8> of 0 or 16."""
+    spread = _shuffle(builder, hi, hi, [i // 8 for i in range(32)])
+    bits = builder.and_(spread, _const(_I8, [1 << (i % 8) for i in range(32)]))
+    return builder.select(builder.icmp_unsigned("!=", bits, _const(_I8, [0] * 32)),
+                          _const(_I8, [16] * 32), _const(_I8, [0] * 32))
+
+
+def _two_high_bits(builder, hi):
+    """8 bytes, bits 2s..2s+1 of byte t the top bits of value t + 8 s -> <32 x u8> of those bits times 16."""
+    parts = [builder.lshr(hi, _const(_I8, [2 * s] * 8)) for s in range(4)]
+    spread = _concat(builder, _concat(builder, parts[0], parts[1]), _concat(builder, parts[2], parts[3]))
+    return builder.shl(builder.and_(spread, _const(_I8, [3] * 32)), _const(_I8, [4] * 32))
+
+
+def _splat(builder, value, lanes):
+    """<8 x float> holding value[lanes[i]] in lane i."""
+    v = ir.Constant(_vec(_F32, len(value)), None)
+    for i, s in enumerate(value):
+        v = builder.insert_element(v, s, _I32(i))
+    return _shuffle(builder, v, v, lanes)
+
+
+# family: (bytes a group in lo, bytes a group in hi, scales a group, signed quants)
+FAMILIES = {"nibble": (16, 0, 1, False), "nibble5": (16, 4, 1, False), "q8": (32, 0, 1, True), "q6k": (16, 8, 2, False)}
+
+
+def _group_halves(builder, family, lo_p, hi_p, group, x):
+    lo_bytes, hi_bytes, _, signed = FAMILIES[family]
+    lo_at = builder.mul(group, _I64(lo_bytes))
+    _prefetch(builder, lo_p, lo_at)
+    lo = _load(builder, lo_p, lo_at, lo_bytes)
+    if signed:
+        return _halves(builder, lo, x, True)
+    u = _nibbles(builder, lo)
+    if hi_bytes:
+        hi = _load(builder, hi_p, builder.mul(group, _I64(hi_bytes)), hi_bytes)
+        u = builder.or_(u, _fifth_bits(builder, hi) if family == "nibble5" else _two_high_bits(builder, hi))
+    return _halves(builder, u, x, False)
+
+
+def _row_codegen(family):
+    scales = FAMILIES[family][2]
+
+    def codegen(context, builder, sig, args):
+        lo_p, hi_p, d_p, x_p, dx_p = (context.make_array(t)(context, builder, a).data for t, a in zip(sig.args[:5], args[:5]))
+        row, groups = args[5], args[6]
+        acc = cgutils.alloca_once_value(builder, ir.Constant(_vec(_F32, 8), [0.0] * 8))
+        x_p = builder.bitcast(x_p, _I8.as_pointer())
+        with cgutils.for_range(builder, groups) as loop:
+            b = loop.index
+            group = builder.add(builder.mul(row, groups), b)
+            x = builder.load(builder.bitcast(builder.gep(x_p, [builder.mul(b, _I64(64))]), _vec(_I16, 32).as_pointer()), align=1)
+            first, second = _group_halves(builder, family, lo_p, hi_p, group, x)
+            dx = builder.load(builder.gep(dx_p, [b]))
+            d = [builder.fmul(builder.load(builder.gep(d_p, [builder.add(builder.mul(group, _I64(scales)), _I64(s))])),
+                              dx, flags=_FAST) for s in range(scales)]
+            total = builder.load(acc)
+            if scales == 1:
+                parts = [(builder.add(first, second), d[0])]
+            else:
+                parts = [(first, d[0]), (second, d[1])]
+            for sums, scale in parts:
+                scaled = builder.fmul(builder.sitofp(sums, _vec(_F32, 8)), _splat(builder, [scale], [0] * 8), flags=_FAST)
+                total = builder.fadd(total, scaled, flags=_FAST)
+            builder.store(total, acc)
+        reduce = _function(builder, "llvm.vector.reduce.fadd.v8f32", _F32, [_F32, _vec(_F32, 8)])
+        return builder.call(reduce, [_F32(0.0), builder.load(acc)], fastmath=_FAST)
+
+    return codegen
+
+
+def _row_intrinsic(family):
+    @intrinsic
+    def row_dot(typingctx, lo, hi, d, xq, dx, row, groups):
+        """Row `row`'s scaled group products, summed (the groups' offsets excluded)."""
+        return types.float32(lo, hi, d, xq, dx, types.int64, types.int64), _row_codegen(family)
+
+    return row_dot
+
+
+_NIBBLE, _NIBBLE5, _Q8, _Q6K = (_row_intrinsic(family) for family in ("nibble", "nibble5", "q8", "q6k"))
+
+
+_JIT = dict(nogil=True, fastmath=set(_FAST), cache=True, error_model="numpy", boundscheck=False)
+_F = np.float32
+
+
+@njit(**_JIT)
+def quantize_activation(x):
+    """x (k,) float32 -> int16 values (k,), each 32-value group's scale, and the sums of each group's and each
+    half group's values (2, groups) as the int16 values times the scale (what the groups' offsets multiply)."""
+    groups = x.shape[0] // 32
+    q = np.empty(x.shape[0], np.int16)
+    scale = np.empty(groups, _F)
+    sums = np.empty(groups, _F)
+    halves = np.empty((2, groups), _F)
+    for b in range(groups):
+        top = _F(0)
+        for j in range(32):
+            a = abs(x[b * 32 + j])
+            if a > top or a != a:  # a NaN stays: a NaN scale, NaN products
+                top = a
+        d = top / _F(32767)
+        inverse = _F(32767) / top if top > 0 else _F(0)
+        h0 = np.int32(0)
+        h1 = np.int32(0)
+        for j in range(32):
+            v = np.int32(np.rint(x[b * 32 + j] * inverse))
+            q[b * 32 + j] = v
+            if j < 16:
+                h0 += v
+            else:
+                h1 += v
+        scale[b] = d
+        halves[0, b] = d * _F(h0)
+        halves[1, b] = d * _F(h1)
+        sums[b] = d * _F(h0 + h1)
+    return q, scale, sums, halves
+
+
+@njit(**_JIT)
+def nibble_rows(lo, hi, d, m, xq, dx, xs, out, r0, r1):
+    """out[r - r0] = row r . x for r in [r0, r1): value = d (nibble | fifth bit << 4) + m."""
+    groups = dx.shape[0]
+    five = hi.shape[1] > 0
+    for r in range(r0, r1):
+        offset = _F(0)
+        for b in range(groups):
+            offset += m[r, b] * xs[b]
+        if five:
+            out[r - r0] = _NIBBLE5(lo, hi, d, xq, dx, r, groups) + offset
+        else:
+            out[r - r0] = _NIBBLE(lo, hi, d, xq, dx, r, groups) + offset
+
+
+@njit(**_JIT)
+def q8_rows(q, d, xq, dx, out, r0, r1):
+    """value = d q, q int8."""
+    for r in range(r0, r1):
+        out[r - r0] = _Q8(q, q, d, xq, dx, r, dx.shape[0])
+
+
+@njit(**_JIT)
+def q6k_rows(lo, hi, d, xq, dx, halves, out, r0, r1):
+    """value = d[half] ((nibble | two high bits << 4) - 32); d (rows, 2 groups), a scale per 16 values."""
+    groups = dx.shape[0]
+    for r in range(r0, r1):
+        offset = _F(0)
+        for b in range(groups):
+            offset += d[r, 2 * b] * halves[0, b] + d[r, 2 * b + 1] * halves[1, b]
+        out[r - r0] = _Q6K(lo, hi, d, xq, dx, r, groups) - _F(32) * offset

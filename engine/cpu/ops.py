@@ -1,0 +1,84 @@
+"""The CPU backend's per-token ops besides the products, compiled by numba: at one token a step is hundreds of
+small ops, and NumPy's few microseconds of dispatch per array operation added up to more than the products'
+memory reads (engine/kernels/reference.py, which these follow, does the same work vectorized over tokens)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit
+
+_JIT = dict(nogil=True, fastmath=True, cache=True, error_model="numpy", boundscheck=False)
+_F = np.float32
+
+
+@njit(**_JIT)
+def rms_norm(x, weight, eps, out):
+    """out = x / sqrt(mean(x^2) + eps) * weight, row by row; x, out (n, d)."""
+    n, d = x.shape
+    for i in range(n):
+        s = _F(0)
+        for j in range(d):
+            s += x[i, j] * x[i, j]
+        inv = _F(1) / math.sqrt(s / _F(d) + _F(eps))
+        for j in range(d):
+            out[i, j] = x[i, j] * inv * weight[j]
+
+
+@njit(**_JIT)
+def add_rms_norm(x, residual, weight, eps, out):
+    n, d = x.shape
+    for i in range(n):
+        for j in range(d):
+            residual[i, j] += x[i, j]
+    rms_norm(residual, weight, eps, out)
+
+
+@njit(**_JIT)
+def _rotate(x, cos, sin, neox):
+    """x (d,) in place by one position's cos/sin (half,): pairs (i, i + half) for NeoX, (2 i, 2 i + 1) otherwise."""
+    half = cos.shape[0]
+    for i in range(half):
+        a_at, b_at = (i, i + half) if neox else (2 * i, 2 * i + 1)
+        a, b = x[a_at], x[b_at]
+        x[a_at] = a * cos[i] - b * sin[i]
+        x[b_at] = b * cos[i] + a * sin[i]
+
+
+@njit(**_JIT)
+def rope_attention_one(q, k, v, cos, sin, neox, k_cache, v_cache, position, out, scale, window):
+    """One token at `position`: rotate q (1, heads, d) and k (1, kv_heads, d), store k and v in the layer's
+    cache (kv_heads, max_tokens, d), then causal attention over positions up to it (the last `window` when
+    window > 0); out (1, heads * d)."""
+    heads, d = q.shape[1], q.shape[2]
+    kv_heads = k.shape[1]
+    group = heads // kv_heads
+    for h in range(heads):
+        _rotate(q[0, h], cos[position], sin[position], neox)
+    for h in range(kv_heads):
+        _rotate(k[0, h], cos[position], sin[position], neox)
+        k_cache[h, position] = k[0, h]
+        v_cache[h, position] = v[0, h]
+    first = max(0, position - window + 1) if window > 0 else 0
+    scores = np.empty(position + 1 - first, _F)
+    for h in range(heads):
+        g = h // group
+        top = _F(-np.inf)
+        for j in range(first, position + 1):
+            s = _F(0)
+            for i in range(d):
+                s += q[0, h, i] * k_cache[g, j, i]
+            s *= _F(scale)
+            scores[j - first] = s
+            top = max(top, s)
+        total = _F(0)
+        for j in range(scores.shape[0]):
+            scores[j] = math.exp(scores[j] - top)
+            total += scores[j]
+        mixed = out[0, h * d : (h + 1) * d]
+        mixed[:] = 0
+        for j in range(first, position + 1):
+            p = scores[j - first] / total
+            for i in range(d):
+                mixed[i] += p * v_cache[g, j, i]

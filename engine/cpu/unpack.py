@@ -1,0 +1,58 @@
+"""Rows of the packed blocks (engine/cpu/layout.py) back to float32, compiled by numba: for BLAS on prompt chunks
+and for embeddings.
+
+The values are exact float32 steps in ggml's order (no fastmath, so no fused multiply-add), which keeps them
+bit-identical to gguf's dequantizers.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+_EXACT = dict(nogil=True, fastmath=False, cache=True, error_model="numpy", boundscheck=False)
+_F = np.float32
+_U8 = np.uint8
+
+
+@njit(**_EXACT)
+def nibble_rows(lo, hi, d, m, rows, out):
+    groups = d.shape[1]
+    five = hi.shape[1] > 0
+    for i in range(rows.shape[0]):
+        r = rows[i]
+        for b in range(groups):
+            for j in range(16):
+                v = lo[r, 16 * b + j]
+                a = _U8(v & _U8(15))
+                c = _U8(v >> _U8(4))
+                if five:
+                    a |= _U8(_U8(_U8(hi[r, 4 * b + (j >> 3)] >> _U8(j & 7)) & _U8(1)) << _U8(4))
+                    c |= _U8(_U8(_U8(hi[r, 4 * b + 2 + (j >> 3)] >> _U8(j & 7)) & _U8(1)) << _U8(4))
+                out[i, b * 32 + j] = _F(a) * d[r, b] + m[r, b]
+                out[i, b * 32 + 16 + j] = _F(c) * d[r, b] + m[r, b]
+
+
+@njit(**_EXACT)
+def q8_rows(q, d, rows, out):
+    groups = d.shape[1]
+    for i in range(rows.shape[0]):
+        r = rows[i]
+        for b in range(groups):
+            for j in range(32):
+                out[i, b * 32 + j] = _F(q[r, 32 * b + j]) * d[r, b]
+
+
+@njit(**_EXACT)
+def q6k_rows(lo, hi, d, rows, out):
+    groups = d.shape[1] // 2
+    for i in range(rows.shape[0]):
+        r = rows[i]
+        for b in range(groups):
+            for j in range(16):
+                v = lo[r, 16 * b + j]
+                t = j & 7
+                a = _U8(_U8(v & _U8(15)) | _U8(_U8(_U8(hi[r, 8 * b + t] >> _U8(2 * (j >> 3))) & _U8(3)) << _U8(4)))
+                c = _U8(_U8(v >> _U8(4)) | _U8(_U8(_U8(hi[r, 8 * b + t] >> _U8(4 + 2 * (j >> 3))) & _U8(3)) << _U8(4)))
+                out[i, b * 32 + j] = d[r, 2 * b] * _F(np.int32(a) - np.int32(32))
+                out[i, b * 32 + 16 + j] = d[r, 2 * b + 1] * _F(np.int32(c) - np.int32(32))
