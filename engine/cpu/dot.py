@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import numpy as np
 from llvmlite import binding, ir
-from numba import njit, types
+import numba
+from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
@@ -238,3 +239,33 @@ def q6k_rows(lo, hi, d, xq, dx, halves, out, r0, r1):
         for b in range(groups):
             offset += d[r, 2 * b] * halves[0, b] + d[r, 2 * b + 1] * halves[1, b]
         out[r - r0] = _Q6K(lo, hi, d, xq, dx, r, groups) - _F(32) * offset
+
+
+# Row blocks of one product run on numba's thread pool, which must take calls from any Python thread (the MCP tools
+# and the HTTP endpoint answer on threads of their own): OpenMP or TBB, not numba's default workqueue.
+numba.config.THREADING_LAYER = "threadsafe"
+
+
+@njit(parallel=True, **_JIT)
+def nibble_blocks(lo, hi, d, m, xq, dx, xs, out, blocks):
+    """nibble_rows over all rows, as `blocks` row ranges run in parallel."""
+    step = (out.shape[0] + blocks - 1) // blocks
+    for i in prange(blocks):
+        r0, r1 = i * step, min(out.shape[0], (i + 1) * step)
+        nibble_rows(lo, hi, d, m, xq, dx, xs, out[r0:r1], r0, r1)
+
+
+@njit(parallel=True, **_JIT)
+def q8_blocks(q, d, xq, dx, out, blocks):
+    step = (out.shape[0] + blocks - 1) // blocks
+    for i in prange(blocks):
+        r0, r1 = i * step, min(out.shape[0], (i + 1) * step)
+        q8_rows(q, d, xq, dx, out[r0:r1], r0, r1)
+
+
+@njit(parallel=True, **_JIT)
+def q6k_blocks(lo, hi, d, xq, dx, halves, out, blocks):
+    step = (out.shape[0] + blocks - 1) // blocks
+    for i in prange(blocks):
+        r0, r1 = i * step, min(out.shape[0], (i + 1) * step)
+        q6k_rows(lo, hi, d, xq, dx, halves, out[r0:r1], r0, r1)

@@ -1,24 +1,24 @@
-"""Matrix-vector products on packed planes, split over threads by rows, and the activation layout they read.
+"""Matrix-vector products on packed blocks, split over cores by rows, and the activation layout they read.
 
-A product is cut into row ranges only when it is big enough to pay for the hand-off to a worker (tens of
-microseconds); each range runs a kernel that releases the GIL.
+A product big enough to pay for waking other cores (a few microseconds through numba's OpenMP or TBB pool) runs
+as one row range per thread; a smaller one runs on the calling thread. Both release the GIL. Half the cores take
+part: every thread waits for the slowest at the end of a product, and a core that another program is using stalls
+it (SmolLM2 on the 2-core machine with a test run beside it: 56 tokens/s on one thread, 17-19 on two).
 """
 
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import numba
 import numpy as np
 
 from engine.cpu import dot
 from engine.cpu.layout import Planes
 
-# Weights a product must read before it is split over threads.
-PARALLEL_MIN_WEIGHTS = 1 << 21
-
-_pool: ThreadPoolExecutor | None = None
+# Weights a product must read before it is split over cores: SmolLM2's 576x576 (331,776) gained a quarter on two.
+PARALLEL_MIN_WEIGHTS = 1 << 17
 
 
 @dataclass
@@ -38,24 +38,27 @@ def activation(x: np.ndarray) -> Activation:
 
 
 _CPUS = os.cpu_count() or 1
+_parallel = True  # until numba finds no thread-safe threading layer on this machine
 
 
 def threads() -> int:
-    return _CPUS
+    return max(1, _CPUS // 2)
 
 
 def matvec(planes: Planes, act: Activation, out: np.ndarray) -> None:
     """out (rows,) = planes @ x."""
-    rows = planes.rows
-    parts = min(threads(), max(1, rows * planes.k // PARALLEL_MIN_WEIGHTS))
-    if parts == 1:
-        _rows(planes, act, out, 0, rows)
-        return
-    bounds = np.linspace(0, rows, parts + 1).astype(int)
-    futures = [_workers().submit(_rows, planes, act, out[a:b], a, b) for a, b in zip(bounds[1:-1], bounds[2:])]
-    _rows(planes, act, out[: bounds[1]], 0, int(bounds[1]))
-    for future in futures:
-        future.result()
+    global _parallel
+    blocks = min(threads(), planes.rows)
+    if _parallel and blocks > 1 and planes.rows * planes.k >= PARALLEL_MIN_WEIGHTS:
+        try:
+            numba.set_num_threads(min(blocks, numba.config.NUMBA_NUM_THREADS))
+            _blocks(planes, act, out, blocks)
+            return
+        except ValueError as exc:  # no OpenMP or TBB for numba here: every product on the calling thread
+            if "threading layer" not in str(exc):
+                raise
+            _parallel = False
+    _rows(planes, act, out, 0, planes.rows)
 
 
 def _rows(planes: Planes, act: Activation, out: np.ndarray, r0: int, r1: int) -> None:
@@ -67,8 +70,10 @@ def _rows(planes: Planes, act: Activation, out: np.ndarray, r0: int, r1: int) ->
         dot.q6k_rows(planes.lo, planes.hi, planes.d, act.q, act.scale, act.half_sums, out, r0, r1)
 
 
-def _workers() -> ThreadPoolExecutor:
-    global _pool
-    if _pool is None:
-        _pool = ThreadPoolExecutor(max_workers=max(1, threads() - 1), thread_name_prefix="strata-cpu")
-    return _pool
+def _blocks(planes: Planes, act: Activation, out: np.ndarray, blocks: int) -> None:
+    if planes.family == "nibble":
+        dot.nibble_blocks(planes.lo, planes.hi, planes.d, planes.m, act.q, act.scale, act.sums, out, blocks)
+    elif planes.family == "q8":
+        dot.q8_blocks(planes.lo, planes.d, act.q, act.scale, out, blocks)
+    else:
+        dot.q6k_blocks(planes.lo, planes.hi, planes.d, act.q, act.scale, act.half_sums, out, blocks)
