@@ -74,7 +74,11 @@ def run_chunk(state: ModelState, tokens: list[int], start: int, logits_out=None)
 
 def prefill(state: ModelState, prompt: list[int], should_stop: Callable[[], bool] | None = None):
     """Bring the cache to hold `prompt`, reusing its longest cached prefix. Returns (last token's logits,
-    tokens reused), or (None, reused) when should_stop asked to stop between chunks."""
+    tokens reused), or (None, reused) when should_stop asked to stop between chunks.
+
+    The last prompt token always runs as a decode step, whatever was cached: its logits then come from the same
+    kernels every time (on the CPU, one-token products round their activation to int16, chunks do not), so a
+    seeded answer does not change with what the cache held."""
     check_fits(state, len(prompt))
     reused = state.cached.reusable_prefix(prompt)
     recurrent = isinstance(state.cache, RecurrentCache)
@@ -82,16 +86,16 @@ def prefill(state: ModelState, prompt: list[int], should_stop: Callable[[], bool
         reused = state.cache.rewind(reused, len(state.cached))
     state.cached.keep(reused)
     chunk = state.workspace.max_chunk
-    logits = None
-    for begin in range(reused, len(prompt), chunk):
+    for begin in range(reused, len(prompt) - 1, chunk):
         if should_stop is not None and should_stop():
             return None, reused
-        tokens = prompt[begin : begin + chunk]
-        logits = run_chunk(state, tokens, begin)
+        tokens = prompt[begin : min(begin + chunk, len(prompt) - 1)]
+        run_chunk(state, tokens, begin)
         state.cached.append(tokens)
+    logits = decode_one_token(state, prompt[-1])
     if recurrent:
         state.cache.save(len(prompt))
-    return logits[0], reused
+    return logits, reused
 
 
 def decode_one_token(state: ModelState, token: int):

@@ -63,7 +63,12 @@ def assert_serves(data_dir: Path, *args: str) -> None:
         lines = [process.stdout.readline() for _ in range(2)]
         assert "is ready" in lines[0] and "http://" in lines[1], lines
         process.send_signal(signal.SIGINT)
-        assert process.wait(timeout=60) == 0
+        try:
+            code = process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            raise AssertionError(f"no exit 60 s after Ctrl+C; its stderr: {process.stderr.read()[-2000:]!r}") from None
+        assert code == 0
         assert "Traceback" not in process.stderr.read()
     finally:
         watchdog.cancel()
