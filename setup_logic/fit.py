@@ -42,12 +42,12 @@ _CUDA_CONTEXT_BYTES = 610 * MIB
 _CUDA_HOST_BYTES = 300 * MIB
 # The CPU path is bound by reading its weights once per token. Float32 weights through BLAS: about 10 GB/s on a
 # 2-core EPYC cloud machine, decode on one BLAS thread (SmolLM2's 539 MB at 18-19 tokens/s, bench/bench_engine.py).
-# Quantized weights through engine/cpu's kernels: 4.3-4.6 GB/s of weight bytes for a 4096x14336 product on that
-# machine, 2 threads, while other work shared it (bench/results/2026-12-01_cpukern_*).
+# Quantized weights through engine/cpu's kernels (int16 activations, one thread on that 2-core machine): 4.7-6.5
+# GB/s of the file's bytes for 4096x14336 and 14336x4096 Q4 products (bench/results/2026-12-01_cpuint16_products_*).
 # Below _MIN_CPU_TOKENS_PER_S an answer takes minutes, so such a model is not offered for the CPU even when it
 # fits in RAM.
 _CPU_F32_BYTES_PER_S = 10e9
-_CPU_QUANTIZED_BYTES_PER_S = 4.5e9
+_CPU_QUANTIZED_BYTES_PER_S = 5e9
 _MIN_CPU_TOKENS_PER_S = 2.0
 # Tiny demo models answer fast but poorly; "speed" picks them only when nothing better fits.
 _MIN_USEFUL_QUALITY = 3.0
