@@ -11,6 +11,11 @@ where |m| is bounded from the block's own fp16 fields below.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
@@ -180,3 +185,23 @@ def test_a_non_finite_activation_gives_non_finite_products(bad):
     out = np.zeros(4, np.float32)
     products.matvec(layout.pack(raw, T.Q4_0, 4, 64), products.activation(x), out)
     assert not np.isfinite(out).any()
+
+
+def test_the_portable_vector_code_gives_the_same_products(tmp_path):
+    """Machines without AVX2 (ARM's NEON among them) run dot.py's plain LLVM vector code instead of the x86
+    intrinsics: compiled here in a fresh process with STRATA_CPU_PORTABLE=1, it must pass the same bound."""
+    script = tmp_path / "portable.py"
+    script.write_text(
+        "import sys\n"
+        "import numpy as np\n"
+        f"sys.path[:0] = [{str(Path(__file__).parent)!r}, {str(Path(__file__).parent.parent)!r}]\n"
+        "import test_cpu_kernels as t\n"
+        "from engine.cpu import dot\n"
+        "assert not dot._AVX2\n"
+        "for qtype, shape in t.CASES:\n"
+        "    t.test_matvec_matches_gguf_dequantize_then_float64_product(qtype, shape)\n"
+        "print('portable ok', len(t.CASES))\n"
+    )
+    env = {**os.environ, "STRATA_CPU_PORTABLE": "1"}
+    run = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and f"portable ok {len(CASES)}" in run.stdout, run.stderr[-3000:]

@@ -20,9 +20,11 @@ a kernel, so a change here recompiles them.
 
 from __future__ import annotations
 
+import os
+
+import numba
 import numpy as np
 from llvmlite import binding, ir
-import numba
 from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
@@ -33,7 +35,10 @@ _I8, _I16, _I32, _I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntTyp
 _F32 = ir.FloatType()
 # Reordered and fused float steps, but NaN and inf kept: a damaged model's NaN must reach the logits.
 _FAST = ("reassoc", "contract")
-_AVX2 = bool(binding.get_host_cpu_features().get("avx2"))
+# STRATA_CPU_PORTABLE=1 compiles the plain vector code on x86 too (tests/test_cpu_kernels.py checks it there), without
+# numba's cache, which does not know this switch.
+_PORTABLE = os.environ.get("STRATA_CPU_PORTABLE") == "1"
+_AVX2 = bool(binding.get_host_cpu_features().get("avx2")) and not _PORTABLE
 
 
 def _vec(t, n):
@@ -171,7 +176,7 @@ def _row_intrinsic(family):
 _NIBBLE, _NIBBLE5, _Q8, _Q6K = (_row_intrinsic(family) for family in ("nibble", "nibble5", "q8", "q6k"))
 
 
-_JIT = dict(nogil=True, fastmath=set(_FAST), cache=True, error_model="numpy", boundscheck=False)
+_JIT = dict(nogil=True, fastmath=set(_FAST), cache=not _PORTABLE, error_model="numpy", boundscheck=False)
 _F = np.float32
 
 
