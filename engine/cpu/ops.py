@@ -61,24 +61,27 @@ def rope_attention_one(q, k, v, cos, sin, neox, k_cache, v_cache, position, out,
         k_cache[h, position] = k[0, h]
         v_cache[h, position] = v[0, h]
     first = max(0, position - window + 1) if window > 0 else 0
-    scores = np.empty(position + 1 - first, _F)
-    for h in range(heads):
-        g = h // group
-        top = _F(-np.inf)
-        for j in range(first, position + 1):
-            s = _F(0)
-            for i in range(d):
-                s += q[0, h, i] * k_cache[g, j, i]
-            s *= _F(scale)
-            scores[j - first] = s
-            top = max(top, s)
-        total = _F(0)
-        for j in range(scores.shape[0]):
-            scores[j] = math.exp(scores[j] - top)
-            total += scores[j]
-        mixed = out[0, h * d : (h + 1) * d]
-        mixed[:] = 0
-        for j in range(first, position + 1):
-            p = scores[j - first] / total
-            for i in range(d):
-                mixed[i] += p * v_cache[g, j, i]
+    n = position + 1 - first
+    scores = np.empty((group, n), _F)
+    for g in range(kv_heads):  # a key row is read once for the group of query heads that share it
+        for j in range(n):
+            key = k_cache[g, first + j]
+            for hh in range(group):
+                s = _F(0)
+                for i in range(d):
+                    s += q[0, g * group + hh, i] * key[i]
+                scores[hh, j] = s * _F(scale)
+        for hh in range(group):
+            top = scores[hh].max()
+            total = _F(0)
+            for j in range(n):
+                scores[hh, j] = math.exp(scores[hh, j] - top)
+                total += scores[hh, j]
+            h = g * group + hh
+            mixed = out[0, h * d : (h + 1) * d]
+            mixed[:] = 0
+            for j in range(n):
+                p = scores[hh, j] / total
+                value = v_cache[g, first + j]
+                for i in range(d):
+                    mixed[i] += p * value[i]
