@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -185,6 +186,8 @@ def cmd_serve(runtime: Runtime, args) -> None:
     """Load the model, serve it over HTTP and keep serving until Ctrl+C."""
     api_key = args.api_key or os.environ.get("STRATA_API_KEY") or None
     check_binding(args.host, api_key)  # before a long load, not after
+    # Ctrl+C is how serving ends, even when started from a shell's background job, which starts us with it ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     _load(runtime, args, skip=("port",), announce=True)
     server = serve(runtime, args.host, getattr(args, "port", None), api_key)
     try:  # from here on Ctrl+C is how serving ends, even before the address is shown

@@ -52,11 +52,17 @@ def strata(data_dir: Path | str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(command, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=900)
 
 
+def _as_a_background_job() -> None:
+    """What a shell does to a job started with `&` and no job control: SIGINT ignored, which the child inherits."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def assert_serves(data_dir: Path, *args: str) -> None:
-    """`strata serve ...` runs until interrupted: it must print the endpoint's address, then end cleanly on Ctrl+C."""
+    """`strata serve ...` runs until interrupted: it must print the endpoint's address, then end cleanly on Ctrl+C,
+    even when started as a background job."""
     command, env = _command(data_dir, *args)
     process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
+                               stderr=subprocess.PIPE, text=True, preexec_fn=_as_a_background_job)
     watchdog = threading.Timer(SERVE_WAIT_S, process.kill)
     watchdog.start()
     try:
