@@ -107,12 +107,10 @@ def _two_high_bits(builder, hi):
     return builder.shl(builder.and_(spread, _const(_I8, [3] * 32)), _const(_I8, [4] * 32))
 
 
-def _splat(builder, value, lanes):
-    """<8 x float> holding value[lanes[i]] in lane i."""
-    v = ir.Constant(_vec(_F32, len(value)), None)
-    for i, s in enumerate(value):
-        v = builder.insert_element(v, s, _I32(i))
-    return _shuffle(builder, v, v, lanes)
+def _splat(builder, value):
+    """<8 x float> holding the float `value` in every lane."""
+    v = builder.insert_element(ir.Constant(_vec(_F32, 1), None), value, _I32(0))
+    return _shuffle(builder, v, v, [0] * 8)
 
 
 # family: (bytes a group in lo, bytes a group in hi, scales a group, signed quants)
@@ -155,7 +153,7 @@ def _row_codegen(family):
             else:
                 parts = [(first, d[0]), (second, d[1])]
             for sums, scale in parts:
-                scaled = builder.fmul(builder.sitofp(sums, _vec(_F32, 8)), _splat(builder, [scale], [0] * 8), flags=_FAST)
+                scaled = builder.fmul(builder.sitofp(sums, _vec(_F32, 8)), _splat(builder, scale), flags=_FAST)
                 total = builder.fadd(total, scaled, flags=_FAST)
             builder.store(total, acc)
         reduce = _function(builder, "llvm.vector.reduce.fadd.v8f32", _F32, [_F32, _vec(_F32, 8)])
