@@ -8,10 +8,13 @@ GPU, each step queued before the id it feeds comes back to the host), for a fixe
 
 The output is measured at the prompt's depth: --prompt 8192 times a prompt of 8,192 tokens, then output from
 position 8,192 on. --attention chunk sends prompt chunks through attention.cu's older chunk path instead of flash
-attention (the before of a comparison); --decode-attention forces decode attention's kernel.
+attention (the before of a comparison); --decode-attention forces decode attention's kernel. --experts-in-ram N
+keeps the routed experts of the first N MoE layers in RAM (the CPU computes them); the line then adds the bytes of
+those experts a token reads, this machine's host read bandwidth (measured here) and the fraction of that floor
+reached, and the GPU memory in use (total minus free, as NVML counts it) and the process's resident RAM.
 
 Usage: python bench/bench_gpu.py MODEL.gguf [MODEL.gguf ...] [--prompt 512] [--output 128] [--device cuda]
-       [--repeats 5] [--attention flash|chunk] [--decode-attention auto|cluster|split]
+       [--repeats 5] [--attention flash|chunk] [--decode-attention auto|cluster|split] [--experts-in-ram N]
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine import GenerationSettings, load_model  # noqa: E402
+from engine.cpu.weights import CpuWeight  # noqa: E402
 from engine.generate import prefill, sampled_tokens  # noqa: E402
 from engine.sampler import Sampler  # noqa: E402
 
@@ -35,20 +39,47 @@ BANDWIDTH = 4.3e12  # bytes/s, device-to-device copy measured on an H200 (shared
 GREEDY = GenerationSettings(temperature=0.0).sampling()
 
 
-def bytes_per_token(weights, top_k: int | None = None) -> int:
+def bytes_per_token(weights, top_k: int | None = None) -> tuple[int, int]:
     """Weight bytes one decode step reads: every layer matrix and the output head (one embedding row aside); of
-    stacked experts only the top_k slabs a token uses (n_experts equal slabs per tensor)."""
-    total = weights.output.nbytes
+    stacked experts only the top_k slabs a token uses (n_experts equal slabs per tensor). Returns (on the GPU,
+    in RAM: the experts the CPU computes, in its layout)."""
+    gpu, host = weights.output.nbytes, 0
     for layer in weights.layers:
         attn, ffn = layer.mixer, layer.ffn
         for handle in (*attn.qkv, attn.out):
-            total += handle.nbytes
+            gpu += handle.nbytes
         if hasattr(ffn, "gate_exps"):
-            total += ffn.router.nbytes
-            total += sum(h.nbytes * top_k // h.shape[0] for h in (ffn.gate_exps, ffn.up_exps, ffn.down_exps))
+            gpu += ffn.router.nbytes
+            experts = sum(h.nbytes * top_k // h.shape[0] for h in (ffn.gate_exps, ffn.up_exps, ffn.down_exps))
+            if isinstance(ffn.gate_exps, CpuWeight):
+                host += experts
+            else:
+                gpu += experts
         else:
-            total += ffn.gate.nbytes + ffn.up.nbytes + ffn.down.nbytes
-    return total
+            gpu += ffn.gate.nbytes + ffn.up.nbytes + ffn.down.nbytes
+    return gpu, host
+
+
+def host_read_bytes_per_s(gib: int = 2, reps: int = 5) -> float:
+    """This machine's RAM read bandwidth: a parallel sum over `gib` GiB on every core, the best of `reps`."""
+    import numba
+
+    @numba.njit(parallel=True, cache=False)
+    def total(a):
+        s = 0
+        for i in numba.prange(a.shape[0]):
+            s += a[i]
+        return s
+
+    data = np.ones(gib * 2**30 // 8, np.uint64)
+    numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+    total(data)
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        total(data)
+        best = min(best, time.perf_counter() - t)
+    return data.nbytes / best
 
 
 def graph_step_ms(state, reps: int = 50) -> float:
@@ -132,8 +163,9 @@ def gpu_name() -> str:
         return "none"
 
 
-def run(path: Path, prompt_len: int, output_len: int, device: str, repeats: int) -> dict:
-    model = load_model(path, device=device, context_length=prompt_len + output_len + 8)
+def run(path: Path, prompt_len: int, output_len: int, device: str, repeats: int, experts_in_ram: int = 0) -> dict:
+    model = load_model(path, device=device, context_length=prompt_len + output_len + 8,
+                       expert_layers_in_ram=experts_in_ram)
     state = model._state
     backend = state.backend
     rng = np.random.default_rng(0)
@@ -173,9 +205,29 @@ def run(path: Path, prompt_len: int, output_len: int, device: str, repeats: int)
     breakdowns = {"llama": decode_breakdown_us, "qwen3moe": moe_breakdown_us}
     breakdown = breakdowns.get(model.info.architecture) if backend.name == "cupy" else None
     breakdown = breakdown(state) if breakdown is not None else None
-    per_token = bytes_per_token(state.weights, state.config.experts and state.config.experts.top_k)
+    gpu_bytes, host_bytes = bytes_per_token(state.weights, state.config.experts and state.config.experts.top_k)
+    per_token = gpu_bytes + host_bytes
     output_tps = output_len / output_s
     floor_tps = BANDWIDTH / per_token
+    placement = {}
+    if host_bytes:
+        import cupy
+        import psutil
+
+        free, total = cupy.cuda.runtime.memGetInfo()
+        host_bw = host_read_bytes_per_s()
+        # A token's floor: its GPU bytes at the GPU's bandwidth, then its RAM experts at the host's.
+        split_floor = 1 / (gpu_bytes / BANDWIDTH + host_bytes / host_bw)
+        placement = {
+            "expert_layers_in_ram": model.info.expert_layers_in_ram,
+            "host_expert_bytes_per_token": host_bytes,
+            "host_read_gb_per_s": round(host_bw / 1e9, 1),
+            "split_floor_output_tokens_per_s": round(split_floor, 1),
+            "fraction_of_split_floor": round(output_tps / split_floor, 3),
+            "gpu_memory_used_bytes": int(total - free),
+            "host_weight_bytes": model.info.host_weight_bytes,
+            "process_rss_bytes": psutil.Process().memory_info().rss,
+        }
     result = {
         "model": model.info.name,
         "file": path.name,
@@ -198,6 +250,7 @@ def run(path: Path, prompt_len: int, output_len: int, device: str, repeats: int)
         # Output time per token beyond the graph step: the pick, and host time the pipeline does not hide.
         "ms_per_token_beyond_step": round(output_s / output_len * 1e3 - step_ms, 3) if step_ms is not None else None,
         "decode_op_us_layer0": breakdown,
+        **placement,
     }
     model.close()
     return result
@@ -214,6 +267,8 @@ def main() -> None:
                         help="prompt-chunk attention on a GPU: flash attention, or attention.cu's older chunk path")
     parser.add_argument("--decode-attention", choices=("auto", "cluster", "split"), default="auto",
                         help="decode attention's kernel on a GPU (cuda.decode_attention_form picks by default)")
+    parser.add_argument("--experts-in-ram", type=int, default=0,
+                        help="MoE layers whose routed experts stay in RAM, computed by the CPU (the first N)")
     args = parser.parse_args()
     if args.device == "cuda":
         from engine.kernels import cuda
@@ -223,7 +278,7 @@ def main() -> None:
         if args.decode_attention != "auto":
             cuda.decode_attention_form = lambda n_heads, n_kv, max_tokens: args.decode_attention
     for path in args.models:
-        result = run(path, args.prompt, args.output, args.device, args.repeats)
+        result = run(path, args.prompt, args.output, args.device, args.repeats, args.experts_in_ram)
         print(json.dumps({**result, "prompt_attention": args.attention, "decode_attention": args.decode_attention}),
               flush=True)
 

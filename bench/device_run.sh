@@ -1,6 +1,6 @@
 # One device call: install the carried wheels, run the GPU tests, then the speed benchmarks.
 # Usage (on the GPU machine, repo root): bash bench/device_run.sh [tests] [kernels] [shapes] [prompt] [synthetic] [profile] [smol]
-#                                        [archs] [memory] [issue5] [flash]
+#                                        [archs] [memory] [issue5] [flash] [ram]
 # The GPU machine has no network: .whl/ holds the wheels it lacks (gguf; pydantic and its dependencies, which
 # tests/conftest.py's catalog lookup imports; `pip download` them for Python 3.12), and the SmolLM2 GGUF
 # (98 MB, over one call's 64 MB) travels in two parts, .carry/smol.part00 (copied to /tmp/strata by a first call) and
@@ -66,5 +66,14 @@ for part in "$@"; do
         timeout 200 python3 bench/bench_gpu.py "$f" --prompt $p --output 64 --repeats 2 --attention $a ${d:+--decode-attention $d} 2>&1 | tee -a "$OUT/flash_bench.jsonl"
       done
       rm -f "$f" ;;
+    ram)
+      # Experts in RAM (issue 18): GPU tests of the split model, then the synthetic Qwen3-30B-A3B (Q4_K_M mix) with the
+      # experts of RAM_LAYERS="0 21 32 48" layers in RAM.
+      timeout 300 python3 -m pytest -q -s -p no:cacheprovider --tb=short -rf tests/test_gpu_moe.py 2>&1 | tee "$OUT/ram_tests.log" | grep -E "in RAM|passed|failed|Error"
+      f=/tmp/strata/synthetic-qwen3-30b-a3b.gguf
+      [ -f "$f" ] || python3 bench/make_synthetic_gguf.py "$f" --shape qwen3-30b-a3b --type Q4_K_M
+      for n in ${RAM_LAYERS:-0 21 32 48}; do
+        timeout 240 python3 bench/bench_gpu.py "$f" --repeats 2 --experts-in-ram $n 2>&1 | tee -a "$OUT/ram_bench.jsonl"
+      done ;;
   esac
 done

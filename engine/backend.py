@@ -144,8 +144,10 @@ class Backend(Protocol):
     def to_host(self, x: Array) -> np.ndarray:
         """A host NumPy copy of `x` (waits for pending work on the GPU)."""
 
-    def upload(self, tensor: GGUFTensor) -> WeightHandle:
-        """Take a tensor from the GGUF file (its raw bytes, GGML type and logical shape) into backend memory.
+    def upload(self, tensor: GGUFTensor, host: bool = False) -> WeightHandle:
+        """Take a tensor from the GGUF file (its raw bytes, GGML type and logical shape) into backend memory; with
+        `host`, into RAM for the CPU to compute on (a mixture's stacked experts that do not fit on the GPU: only
+        `moe_ffn` takes such a handle).
 
         Must accept at least F32, F16, BF16, Q4_0, Q4_1, Q8_0 and the K-quants Q4_K, Q5_K, Q6_K; raises
         EngineError naming the tensor and its type otherwise.

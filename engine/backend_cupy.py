@@ -22,11 +22,15 @@ import numpy as np
 
 from engine import quants
 from engine.backend import ROPE_NEOX, ROPE_NORMAL, KVCache, MemoryInUse, RopeTable, SamplingParams
-from engine.capabilities import DEQUANT_SCRATCH_ELEMENTS, GPU_KV_DTYPE, MIN_COMPUTE_CAPABILITY
+from engine.capabilities import DEQUANT_SCRATCH_ELEMENTS, GPU_KV_DTYPE, HOST_EXPERT_THREADS, MIN_COMPUTE_CAPABILITY
+from engine.cpu import experts as cpu_experts
+from engine.cpu.weights import CpuWeight
+from engine.cpu.weights import load as load_host_weight
 from engine.errors import EngineError
 from engine.gguf_file import GGUFTensor
 from engine.kernels import cuda as K
 from engine.kernels.gpu_layout import supported
+from engine.kernels.host_calls import HostCalls
 from engine.q8_sets import Q8Sets, Span, span
 
 TOPK_MAX = 1024  # top-k above this (or top_k = 0) sorts the whole vocabulary instead
@@ -102,6 +106,9 @@ class CupyBackend:
         self._graphs: list[Any] = []
         self._id_slots: tuple[np.ndarray, list[Any]] | None = None  # sample_feed's pinned ids and their events
         self._id_next = 0
+        self._host_calls: HostCalls | None = None  # made when a layer's experts are placed in RAM
+        self._host_weights: list[CpuWeight] = []
+        self._host_stage: dict[str, np.ndarray] = {}  # pinned: one token's expert input and output
         self._closed = False
 
     # ---- memory ----
@@ -126,13 +133,15 @@ class CupyBackend:
 
     @_op()
     def to_host(self, x: Any) -> np.ndarray:
-        host = cupy.asnumpy(x, stream=self.stream)
-        self.stream.synchronize()
-        return host
+        # Wait first, without the GIL: a copy into pageable memory might wait for a host call while holding it.
+        self.synchronize()
+        return cupy.asnumpy(x, stream=self.stream, blocking=True)
 
     @_op()
-    def upload(self, tensor: GGUFTensor) -> K.GpuWeight:
+    def upload(self, tensor: GGUFTensor, host: bool = False) -> K.GpuWeight | CpuWeight:
         shape = tuple(int(s) for s in tensor.shape)
+        if host:
+            return self._upload_host(tensor, shape)
         if len(shape) == 1:
             values = quants.dequantize(tensor.raw, tensor.qtype, shape).astype(np.float32)
             return self._hold(K.GpuWeight(tensor.name, shape, quants.T.F32, cupy.asarray(values), ()))
@@ -168,12 +177,28 @@ class CupyBackend:
         shape = (n_layers, n_kv_heads, max_tokens, head_dim)
         return self._hold(KVCache(cupy.zeros(shape, GPU_KV_DTYPE), cupy.zeros(shape, GPU_KV_DTYPE)))
 
+    def _upload_host(self, tensor: GGUFTensor, shape: tuple[int, ...]) -> CpuWeight:
+        """A mixture's stacked experts kept in RAM in the CPU kernels' layout (engine/cpu), for `moe_ffn`."""
+        if len(shape) != 3:
+            raise EngineError(f"Only a mixture's stacked expert tensors can stay in RAM, not {tensor.name} {shape}.")
+        try:
+            weight = load_host_weight(tensor.name, tensor.raw, tensor.qtype, shape)
+        except (quants.UnsupportedTensorType, quants.TensorSizeError) as exc:
+            raise EngineError(f"Tensor {tensor.name} cannot be kept in RAM for the CPU: {exc}.") from None
+        if self._host_calls is None:
+            self._host_calls = HostCalls()
+        self._host_weights.append(weight)
+        return weight
+
     def memory_in_use(self) -> MemoryInUse:
-        """Bytes in CuPy's pool for this process."""
-        return MemoryInUse(device_bytes=int(cupy.get_default_memory_pool().used_bytes()))
+        """Bytes in CuPy's pool for this process, and the experts (and their pinned staging) kept in RAM."""
+        host = sum(w.nbytes for w in self._host_weights) + sum(a.nbytes for a in self._host_stage.values())
+        return MemoryInUse(host_bytes=host, device_bytes=int(cupy.get_default_memory_pool().used_bytes()))
 
     def synchronize(self) -> None:
         self.stream.synchronize()
+        if self._host_calls is not None:
+            self._host_calls.check()
 
     def compile_step(self, step: Callable[[], None]) -> Callable[[], None]:
         """The first call runs `step` directly (compiling kernels and sizing scratch), then captures it as a CUDA
@@ -214,6 +239,8 @@ class CupyBackend:
         self._q8_holds.forget()
         self._decode_scratch.clear()
         self._id_slots = None
+        self._host_weights.clear()
+        self._host_stage.clear()
         gc.collect()  # arrays kept alive only by reference cycles go back to the pool before it is emptied
         cupy.get_default_memory_pool().free_all_blocks()
         cupy.get_default_pinned_memory_pool().free_all_blocks()
@@ -308,8 +335,11 @@ class CupyBackend:
         K.moe_route(router_logits, top_k, normalize, weights_out, ids_out)
 
     @_op("out", "scratch")
-    def moe_ffn(self, x, gate_exps: K.GpuWeight, up_exps: K.GpuWeight, down_exps: K.GpuWeight, ids, weights, out,
-                scratch, activation: str = "silu") -> None:
+    def moe_ffn(self, x, gate_exps: K.GpuWeight | CpuWeight, up_exps: K.GpuWeight | CpuWeight,
+                down_exps: K.GpuWeight | CpuWeight, ids, weights, out, scratch, activation: str = "silu") -> None:
+        if isinstance(gate_exps, CpuWeight):
+            self._moe_on_host(x, gate_exps, up_exps, down_exps, ids, weights, out, activation)
+            return
         act = ACTIVATIONS.get(activation)
         if act is None:
             raise EngineError(f"The activation {activation!r} is not supported on the GPU (silu, gelu_tanh).")
@@ -333,6 +363,38 @@ class CupyBackend:
             h_q8 = self._q8_scratch(self._buffer if n > 1 else self._decode_buffer, "moe_hidden", hidden.size)
             K.quantize_q8(hidden, h_q8)
         K.moe_down(down_exps, hidden, h_q8, ids, weights, out)
+
+    def _moe_on_host(self, x, gate: CpuWeight, up: CpuWeight, down: CpuWeight, ids, weights, out,
+                     activation: str) -> None:
+        """The experts of a layer kept in RAM, computed by the CPU. One token: the stream copies x and the routing
+        to pinned memory, calls the CPU kernels (a host node when a decode step is captured) and copies their
+        result back, so the step stays one graph. A prompt chunk: this thread waits for the routing and computes."""
+        if x.shape[0] > 1:
+            self.synchronize()
+            xh, idh, wh = (cupy.asnumpy(a, stream=self.stream, blocking=True) for a in (x, ids, weights))
+            result = np.empty(out.shape, np.float32)
+            cpu_experts.moe_ffn(xh, gate, up, down, idh, wh, result, activation, HOST_EXPERT_THREADS)
+            out.set(result, stream=self.stream)
+            return
+        stage = self._stage({"x": x, "ids": ids, "weights": weights, "out": out})
+        for name, src in (("x", x), ("ids", ids), ("weights", weights)):
+            cupy.cuda.runtime.memcpyAsync(stage[name].ctypes.data, src.data.ptr, src.nbytes,
+                                          cupy.cuda.runtime.memcpyDeviceToHost, self.stream.ptr)
+
+        def job() -> None:
+            cpu_experts.moe_ffn(stage["x"], gate, up, down, stage["ids"], stage["weights"], stage["out"], activation,
+                                HOST_EXPERT_THREADS)
+
+        self._host_calls.launch(self.stream.ptr, (id(gate), id(up), id(down), activation), job)
+        cupy.cuda.runtime.memcpyAsync(out.data.ptr, stage["out"].ctypes.data, out.nbytes,
+                                      cupy.cuda.runtime.memcpyHostToDevice, self.stream.ptr)
+
+    def _stage(self, like: dict[str, Any]) -> dict[str, np.ndarray]:
+        """Pinned host arrays shaped as the given one-token arrays, shared by every layer whose experts are in RAM
+        (the stream runs the layers in order); made once, since a captured graph keeps their addresses."""
+        if not self._host_stage:
+            self._host_stage = {name: cupyx.empty_pinned(a.shape, a.dtype) for name, a in like.items()}
+        return self._host_stage
 
     @staticmethod
     def _q8_scratch(buffer: Callable[[str, int, Any], Any], key: str, size: int) -> K.Q8:
@@ -435,6 +497,8 @@ class CupyBackend:
 
         def result() -> int:
             events[slot].synchronize()
+            if self._host_calls is not None:
+                self._host_calls.check()
             return int(host[slot])
 
         return result

@@ -15,7 +15,7 @@ from threadpoolctl import threadpool_limits
 from engine import quants
 from engine.backend import ROPE_NEOX, KVCache, MemoryInUse, RopeTable, SamplingParams
 from engine.capabilities import CPU_KV_DTYPE
-from engine.cpu import ops
+from engine.cpu import experts, ops
 from engine.cpu.weights import CpuWeight, activation_for, load, product, rows_f32
 from engine.errors import EngineError
 from engine.gguf_file import GGUFTensor
@@ -47,7 +47,8 @@ class NumpyBackend:
     def to_host(self, x: np.ndarray) -> np.ndarray:
         return np.array(x, copy=True)
 
-    def upload(self, tensor: GGUFTensor) -> CpuWeight:
+    def upload(self, tensor: GGUFTensor, host: bool = False) -> CpuWeight:
+        """Every weight lives in RAM here, so `host` changes nothing."""
         try:
             weight = load(tensor.name, tensor.raw, tensor.qtype, tuple(tensor.shape))
         except quants.UnsupportedTensorType as exc:
@@ -116,22 +117,7 @@ class NumpyBackend:
         reference.moe_route(router_logits, top_k, normalize, weights_out, ids_out)
 
     def moe_ffn(self, x, gate_exps: CpuWeight, up_exps: CpuWeight, down_exps: CpuWeight, ids, weights, out, scratch, activation: str = "silu") -> None:
-        """One pass per expert some token chose, over the tokens that chose it (a token picks an expert once);
-        an expert's matrices are rows [e * f, (e + 1) * f) of the stacked weights. Temporaries as in the
-        reference: `scratch` (the GPU kernels' space) stays untouched."""
-        f, d = gate_exps.shape[1], down_exps.shape[1]
-        out[...] = 0
-        for expert in np.unique(ids):
-            rows, slots = np.nonzero(ids == expert)
-            xe = x[rows]
-            act = activation_for(xe, gate_exps, up_exps)
-            hidden, up, down = (np.empty((len(rows), n), np.float32) for n in (f, f, d))
-            product(gate_exps, xe, hidden, expert * f, (expert + 1) * f, act)
-            product(up_exps, xe, up, expert * f, (expert + 1) * f, act)
-            reference.activate(hidden, activation)
-            hidden *= up
-            product(down_exps, hidden, down, expert * d, (expert + 1) * d)
-            out[rows] += down * weights[rows, slots, None]
+        experts.moe_ffn(x, gate_exps, up_exps, down_exps, ids, weights, out, activation)  # scratch: the GPU's space
 
     def rope_attention(self, q, k, v, rope: RopeTable, style: str, cache: KVCache, layer: int, start, out,
                        scale: float, window: int = 0) -> None:

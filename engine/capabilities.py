@@ -6,6 +6,7 @@ choose models (they must not need a GPU, or even the engine's backends, to ask).
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -23,6 +24,13 @@ MAX_PROMPT_CHUNK = 512
 # The GPU prompt path dequantizes one weight (or a row slice of a larger one) to this many fp16 values of scratch.
 DEQUANT_SCRATCH_ELEMENTS = 64 * 2**20
 # KV cache element types: fp16 on the GPU; float32 on the CPU, exact with respect to its float32 activations.
+# Threads the CPU computes the experts kept in RAM with, while the GPU waits for them: every core (on the H200
+# machine's 16 cores, expert products read 75-77 GB/s on 16 threads and 39-40 on 8; bench/RESULTS.md).
+HOST_EXPERT_THREADS = int(os.environ.get("STRATA_CPU_THREADS") or os.cpu_count() or 1)
+# The CPU kernels' layout (engine/cpu/layout.py) keeps float32 group scales: Q4_0 and Q4_K take 4/3 of their file
+# bytes, Q6_K 1.22, Q8_0 1.06 (tests/test_cpu_kernels.py holds each type to its ratio); the fit counts experts kept in
+# RAM at the 4-bit types' ratio.
+CPU_BYTES_PER_FILE_BYTE = 1.34
 GPU_KV_DTYPE = np.dtype(np.float16)
 CPU_KV_DTYPE = np.dtype(np.float32)
 
@@ -61,10 +69,11 @@ def profile() -> dict[str, Any]:
         "min_compute_capability": MIN_COMPUTE_CAPABILITY,
         # The CPU path keeps the quantized weights, about the file's size (engine/cpu/layout.py).
         "cpu_weights_dequantized_to_f32": False,
+        "cpu_bytes_per_file_byte": CPU_BYTES_PER_FILE_BYTE,
         "kv_bytes_per_element_gpu": GPU_KV_DTYPE.itemsize,
         "kv_bytes_per_element_cpu": CPU_KV_DTYPE.itemsize,
         "prefill_chunk": MAX_PROMPT_CHUNK,
         "default_context": DEFAULT_CONTEXT,
         "dequant_scratch_elements": DEQUANT_SCRATCH_ELEMENTS,
-        "experts_in_ram": False,
+        "experts_in_ram": True,
     }

@@ -12,6 +12,7 @@ import numpy as np
 import psutil
 
 from engine.arch import architecture_module
+from engine.arch.parts import MOE
 from engine.backend import Backend, MemoryInUse
 from engine.backend_numpy import NumpyBackend
 from engine.capabilities import DEFAULT_CONTEXT, MAX_PROMPT_CHUNK, gpu_architectures
@@ -40,6 +41,8 @@ class ModelInfo:
     backend_reason: str
     weight_bytes: int
     kv_cache_bytes: int
+    expert_layers_in_ram: int  # MoE layers whose routed experts live in RAM and run on the CPU (GPU backend)
+    host_weight_bytes: int  # of weight_bytes, what lives in RAM beside the GPU (those experts)
     has_chat_template: bool  # base models have none: they only continue plain text
 
 
@@ -86,6 +89,18 @@ def _check_cpu_memory(gguf: GGUFFile, backend: Backend) -> None:
             f"{gguf.path.name} needs about {needed / 2**30:.1f} GiB of RAM on the CPU, but only "
             f"{available / 2**30:.1f} GiB is free. Use a smaller model or a machine with an NVIDIA GPU."
         )
+
+
+def _host_expert_layers(config: Any, count: Any, name: str) -> frozenset[int]:
+    """The first `count` mixture-of-experts layers, whose experts are to stay in RAM; EngineError when impossible."""
+    if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+        raise EngineError(f"expert_layers_in_ram must be a whole number of layers, 0 or more, not {count!r}.")
+    moe_layers = [i for i, kind in enumerate(getattr(config, "ffn_kinds", ())) if kind == MOE]
+    if count > len(moe_layers):
+        what = f"only {len(moe_layers)} mixture-of-experts layers" if moe_layers else "no mixture-of-experts layers"
+        raise EngineError(f"{name} has {what}, so the experts of {count} layers cannot be kept in RAM. "
+                          f"Use expert_layers_in_ram={len(moe_layers)} or less.")
+    return frozenset(moe_layers[:count])
 
 
 class LoadedModel:
@@ -208,9 +223,12 @@ def load_model(
     context_length: int | None = None,
     on_progress: Callable[[int, int, str], None] | None = None,
     should_cancel: Callable[[], bool] | None = None,
+    expert_layers_in_ram: int = 0,
 ) -> LoadedModel:
     """Open a GGUF, pick a backend and upload the weights. on_progress gets (tensors done, total, message);
-    should_cancel returning True stops the load with `Cancelled` (an EngineError)."""
+    should_cancel returning True stops the load with `Cancelled` (an EngineError). expert_layers_in_ram: on the GPU,
+    keep the routed experts of the first that many mixture-of-experts layers in RAM, where the CPU computes them
+    (the rest of the model stays on the GPU); on the CPU everything is in RAM anyway."""
     gguf = GGUFFile(path)
     try:
         arch = architecture_module(gguf.architecture, f"The model {gguf.path.name}")
@@ -229,11 +247,16 @@ def load_model(
             context = context_length
         tokenizer = Tokenizer(gguf)
         template = ChatTemplate.from_gguf(gguf)
+        host_layers = _host_expert_layers(config, expert_layers_in_ram, gguf.path.name)
         backend, reason = select_backend(device, gguf.architecture)
+        if backend.name == "numpy":
+            host_layers = frozenset()
         try:
             _check_cpu_memory(gguf, backend)
-            weights = arch.load_weights(gguf, config, backend, context, on_progress, should_cancel)
-            weight_bytes = backend.memory_in_use().total_bytes
+            placement = {"host_expert_layers": host_layers} if host_layers else {}
+            weights = arch.load_weights(gguf, config, backend, context, on_progress, should_cancel, **placement)
+            memory = backend.memory_in_use()
+            weight_bytes = memory.total_bytes
             if hasattr(arch, "new_cache"):  # hybrid models: KV entries for some layers, recurrent state for the rest
                 cache = arch.new_cache(config, backend, context)
             else:
@@ -263,6 +286,8 @@ def load_model(
             backend_reason=reason,
             weight_bytes=weight_bytes,
             kv_cache_bytes=cache.nbytes,
+            expert_layers_in_ram=len(host_layers),
+            host_weight_bytes=memory.host_bytes if host_layers else 0,
             has_chat_template=template is not None,
         )
         return LoadedModel(gguf, state, tokenizer, template, info)

@@ -7,12 +7,14 @@ rule of thumb:
   copies, 4 bytes per weight; KV cache at the profile's element size.
 - Loading reads the file through a memory map once; those pages show in the process's memory but the OS can
   drop them, so they are reported and not required.
-- A mixture of experts can keep its dense part and some experts on the GPU and the other experts in RAM,
-  where the CPU computes them ("gpu+ram"), when the engine says it can.
+- A mixture of experts can keep its dense part and the experts of some layers on the GPU and the experts of the
+  other layers in RAM, where the CPU computes them ("gpu+ram"), when the engine says it can; in RAM those experts
+  take the CPU layout's bytes (the profile's cpu_bytes_per_file_byte: 4/3 of a Q4_K file's).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -63,7 +65,9 @@ class Preferences(BaseModel):
 class MemoryEstimate(BaseModel):
     level: Level
     context_length: int
-    experts_on_gpu: int | None = Field(description="experts per layer kept on the GPU (MoE), out of n_experts")
+    expert_layers_in_ram: int | None = Field(
+        description="MoE layers whose routed experts stay in RAM, computed by the CPU (gpu+ram); None otherwise"
+    )
     gpu_weights_bytes: int
     ram_weights_bytes: int
     kv_cache_bytes: int
@@ -158,11 +162,11 @@ def estimate_memory(
     context_length: int,
     level: Level,
     engine: EngineProfile,
-    experts_on_gpu: int | None = None,
+    expert_layers_in_ram: int | None = None,
 ) -> MemoryEstimate:
     """Bytes on the GPU and in RAM for running `model` with `context_length` tokens at `level`.
 
-    For "gpu+ram", experts_on_gpu is how many experts of each layer stay on the GPU (0 to n_experts - 1)."""
+    For "gpu+ram", expert_layers_in_ram is how many layers keep their routed experts in RAM (1 to n_layers)."""
     if context_length < 1:
         raise ValueError("context_length must be at least 1")
     file_bytes = model.file_bytes
@@ -173,36 +177,35 @@ def estimate_memory(
         ram_weights = round(model.params_b * 1e9 * 4) if f32 else file_bytes
         gpu_weights = gpu_overhead = 0
         kv = kv_cache_bytes(model, context_length, engine.kv_bytes_per_element_cpu)
-        reclaimable = file_bytes if f32 else 0
     else:
         gpu_overhead = _CUDA_CONTEXT_BYTES
         ram_overhead += _CUDA_HOST_BYTES
         kv = kv_cache_bytes(model, context_length, engine.kv_bytes_per_element_gpu)
         if level == "gpu":
-            experts_on_gpu = model.n_experts
+            expert_layers_in_ram = None
             gpu_weights, ram_weights = file_bytes, 0
         else:
             if not model.is_moe:
                 raise ValueError(f"{model.id} is not a mixture of experts, so it cannot split experts into RAM")
-            if experts_on_gpu is None or not 0 <= experts_on_gpu < model.n_experts:
-                raise ValueError(f"experts_on_gpu must be between 0 and {model.n_experts - 1}")
-            in_ram = model.n_experts - experts_on_gpu
-            ram_expert_file_bytes = model.expert_bytes * in_ram // model.n_experts
+            if expert_layers_in_ram is None or not 1 <= expert_layers_in_ram <= model.n_layers:
+                raise ValueError(f"expert_layers_in_ram must be between 1 and {model.n_layers}")
+            share = expert_layers_in_ram / model.n_layers
+            ram_expert_file_bytes = round(model.expert_bytes * share)
             gpu_weights = file_bytes - ram_expert_file_bytes
             if f32:
-                ram_weights = round(model.expert_params_b * 1e9 * 4 * in_ram / model.n_experts)
+                ram_weights = round(model.expert_params_b * 1e9 * 4 * share)
             else:
-                ram_weights = ram_expert_file_bytes
-        # Every page is read once to upload it; pages the CPU keeps computing from are the RAM weights.
-        reclaimable = file_bytes if f32 or level == "gpu" else file_bytes - ram_weights
+                ram_weights = round(ram_expert_file_bytes * engine.cpu_bytes_per_file_byte)
     state = model.recurrent_state_bytes
     on_gpu = level != "cpu"
+    # Every page is read once to upload or repack it; the quantized CPU path is measured at about the file's size.
+    reclaimable = 0 if level == "cpu" and not f32 else file_bytes
     vram = gpu_weights + gpu_overhead + ((kv + state + workspace) if on_gpu else 0)
     ram_required = ram_weights + ram_overhead + (0 if on_gpu else kv + state + workspace)
     estimate = MemoryEstimate(
         level=level,
         context_length=context_length,
-        experts_on_gpu=experts_on_gpu if model.is_moe else None,
+        expert_layers_in_ram=expert_layers_in_ram if level == "gpu+ram" else None,
         gpu_weights_bytes=gpu_weights,
         ram_weights_bytes=ram_weights,
         kv_cache_bytes=kv,
@@ -235,7 +238,7 @@ def _explain(e: MemoryEstimate, f32: bool) -> str:
         )
     experts = ""
     if e.level == "gpu+ram":
-        experts = f" ({e.experts_on_gpu} experts per layer)"
+        experts = f" (the experts of {e.expert_layers_in_ram} layers in RAM)"
     ram_part = f"RAM: {gb(e.ram_required_bytes)}"
     if e.ram_weights_bytes:
         ram_part += f", of which {gb(e.ram_weights_bytes)} are the experts the CPU computes"
@@ -265,21 +268,25 @@ def _fits(e: MemoryEstimate, budget: _Budget) -> bool:
     return e.vram_bytes <= budget.vram * _FIT_FRACTION and e.ram_required_bytes <= budget.ram * _FIT_FRACTION
 
 
-def _experts_on_gpu(model: CatalogModel, context_length: int, engine: EngineProfile, budget: _Budget) -> int | None:
-    """How many experts per layer fit on the GPU beside the dense part (VRAM grows linearly with them)."""
-    base = estimate_memory(model, context_length, "gpu+ram", engine, experts_on_gpu=0).vram_bytes
-    per_expert = model.expert_bytes / model.n_experts
-    count = int((budget.vram * _FIT_FRACTION - base) // per_expert)
-    return None if count < 0 else min(count, model.n_experts - 1)
+def _expert_layers_in_ram(model: CatalogModel, context_length: int, engine: EngineProfile, budget: _Budget) -> int | None:
+    """The fewest layers whose experts must move to RAM for the rest to fit the GPU (VRAM falls linearly with them);
+    None when even every layer's experts in RAM leave too much on the GPU."""
+    layers = model.n_layers
+    least = estimate_memory(model, context_length, "gpu+ram", engine, expert_layers_in_ram=layers).vram_bytes
+    room = budget.vram * _FIT_FRACTION
+    if least > room:
+        return None
+    per_layer = model.expert_bytes / layers
+    return max(1, min(layers, math.ceil((least + per_layer * layers - room) / per_layer)))
 
 
 def _place(model: CatalogModel, context_length: int, level: Level, engine: EngineProfile, budget: _Budget):
-    experts = None
+    layers = None
     if level == "gpu+ram":
-        experts = _experts_on_gpu(model, context_length, engine, budget)
-        if experts is None:
+        layers = _expert_layers_in_ram(model, context_length, engine, budget)
+        if layers is None:
             return None
-    estimate = estimate_memory(model, context_length, level, engine, experts_on_gpu=experts)
+    estimate = estimate_memory(model, context_length, level, engine, expert_layers_in_ram=layers)
     return estimate if _fits(estimate, budget) else None
 
 
@@ -376,8 +383,8 @@ def _why_fits(e: MemoryEstimate, target: int, budget: _Budget, cpu_speed: float,
         text = f"Runs on the GPU ({budget.gpu_name}): {gb(e.vram_bytes)} of the {gb(budget.vram)} free VRAM with {tokens}"
     elif e.level == "gpu+ram":
         text = (
-            f"Runs on the GPU ({budget.gpu_name}) with {e.experts_on_gpu} experts per layer there and the rest in RAM: "
-            f"{gb(e.vram_bytes)} of VRAM and {gb(e.ram_required_bytes)} of RAM with {tokens}"
+            f"Runs on the GPU ({budget.gpu_name}) with the experts of {e.expert_layers_in_ram} of its layers in RAM, "
+            f"where the CPU computes them: {gb(e.vram_bytes)} of VRAM and {gb(e.ram_required_bytes)} of RAM with {tokens}"
         )
     else:
         where = ""
@@ -402,7 +409,7 @@ def _why_not(model: CatalogModel, context: int, engine: EngineProfile, budget: _
         gpu = estimate_memory(model, context, "gpu", engine)
         needs.append(f"{gb(gpu.vram_bytes)} of VRAM on the GPU ({gb(budget.vram)} free)")
         if model.is_moe and engine.experts_in_ram:
-            split = estimate_memory(model, context, "gpu+ram", engine, experts_on_gpu=0)
+            split = estimate_memory(model, context, "gpu+ram", engine, expert_layers_in_ram=model.n_layers)
             needs.append(
                 f"{gb(split.vram_bytes)} of VRAM and {gb(split.ram_required_bytes)} of RAM with its experts in RAM"
             )

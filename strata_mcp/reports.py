@@ -59,6 +59,9 @@ class EngineStatus(BaseModel):
     backend: str | None = None
     backend_reason: str | None = None
     context_length: int | None = None
+    expert_layers_in_ram: int | None = Field(
+        None, description="MoE layers whose routed experts live in RAM, computed by the CPU (the rest is on the GPU)"
+    )
     load_progress: LoadProgressView | None = None
     load_seconds: float | None = None
     error: str | None = None
@@ -91,6 +94,7 @@ def engine_status(slot: EngineSlot, estimate: MemoryEstimate | None = None) -> E
     if slot.model is not None:
         info = slot.model.info
         status.backend, status.backend_reason, status.context_length = info.backend, info.backend_reason, info.context_length
+        status.expert_layers_in_ram = info.expert_layers_in_ram or None
     if slot.state != "stopped":
         status.memory = memory_report(slot, estimate)
     if slot.last_chat is not None:

@@ -134,8 +134,9 @@ class Runtime:
         return self._log
 
     # -- loading -------------------------------------------------------------------------
-    def start_model(self, model_id: str, device: str, context_length: int | None) -> None:
-        """Begin loading `model_id` on a background thread (replacing nothing: stop first)."""
+    def start_model(self, model_id: str, device: str, context_length: int | None, expert_layers_in_ram: int = 0) -> None:
+        """Begin loading `model_id` on a background thread (replacing nothing: stop first); expert_layers_in_ram: the
+        MoE layers whose experts stay in RAM (the placement choose_model's fit made)."""
         path = self.store.model_path(model_id)
         with self._lock:
             slot = self.slot
@@ -151,10 +152,12 @@ class Runtime:
                 memory_before_load=measure_memory(),
             )
         threading.Thread(
-            target=self._load, args=(slot, path, device, context_length), name="engine-load", daemon=True
+            target=self._load, args=(slot, path, device, context_length, expert_layers_in_ram), name="engine-load",
+            daemon=True
         ).start()
 
-    def _load(self, slot: EngineSlot, path: Path, device: str, context_length: int | None) -> None:
+    def _load(self, slot: EngineSlot, path: Path, device: str, context_length: int | None,
+              expert_layers_in_ram: int) -> None:
         def on_progress(done: int, total: int, message: str) -> None:
             slot.load = LoadProgress(done, total, message)
 
@@ -162,6 +165,7 @@ class Runtime:
             model = load_model(
                 path, device=device, context_length=context_length,
                 on_progress=on_progress, should_cancel=self._cancel_load.is_set,
+                expert_layers_in_ram=expert_layers_in_ram,
             )
         except Exception as exc:  # the slot reports it; status and start show the sentence
             with self._lock:
@@ -196,6 +200,9 @@ class Runtime:
         except UnknownModelError:  # installed from a catalog that is no longer configured
             return None
         info = slot.model.info
+        if info.expert_layers_in_ram:
+            return estimate_memory(model, info.context_length, "gpu+ram", engine_profile(),
+                                   expert_layers_in_ram=info.expert_layers_in_ram)
         level = "cpu" if info.backend == "numpy" else "gpu"
         return estimate_memory(model, info.context_length, level, engine_profile())
 

@@ -21,7 +21,7 @@ import pytest
 from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize, quantize
 
-from engine.cpu import layout, products, weights
+from engine.cpu import experts, layout, products, weights
 from engine.quants import block_layout
 
 U = 2.0**-24
@@ -142,6 +142,39 @@ def test_prompt_products_over_row_tiles_and_row_ranges(qtype, monkeypatch):
         want = x.astype(np.float64) @ values[11:18].T
         # float32 rows exact, then a float32 product of k terms in any order: (k - 1) u times the sum of |terms|
         assert np.all(np.abs(out - want) <= k * U * (np.abs(x) @ np.abs(values[11:18]).T))
+
+
+@pytest.mark.parametrize(("gate_type", "down_type"), [(T.Q4_K, T.Q6_K), (T.Q4_0, T.Q8_0), (T.Q5_K, T.Q5_0)],
+                         ids=lambda t: t.name)
+def test_one_token_experts_match_gguf_dequantize_then_float64(gate_type, down_type):
+    """The one-token mixture (three parallel products over the chosen experts' slabs, engine/cpu/experts.py) against
+    the float64 mixture of gguf's dequantized experts; the same bits on 1, 3 and 16 threads (every row is the same
+    kernel, whichever range holds it)."""
+    rng = np.random.default_rng(11)
+    count, f, d, top_k = 6, 256, 512, 4  # K-quant rows hold whole 256-value blocks
+    shapes = {"gate": (gate_type, f, d), "up": (gate_type, f, d), "down": (down_type, d, f)}
+    made = {name: _weight(qtype, count * rows, k, rng) for name, (qtype, rows, k) in shapes.items()}
+    held = {name: weights.load(name, made[name][0], qtype, (count, rows, k)) for name, (qtype, rows, k) in shapes.items()}
+    x = rng.standard_normal((1, d)).astype(np.float32)
+    ids = np.array([[4, 0, 5, 2]], np.int32)
+    mix = rng.random((1, top_k)).astype(np.float32)
+    outs = []
+    for threads in (1, 3, 16):
+        out = np.full((1, d), np.nan, np.float32)
+        experts.moe_ffn(x, held["gate"], held["up"], held["down"], ids, mix, out, "silu", threads)
+        outs.append(out)
+    np.testing.assert_array_equal(outs[1], outs[0])
+    np.testing.assert_array_equal(outs[2], outs[0])
+    g, u, dn = (made[name][1].reshape(count, -1, made[name][1].shape[1]) for name in ("gate", "up", "down"))
+    want, size = np.zeros(d), np.zeros(d)
+    x64 = x[0].astype(np.float64)
+    for j, e in enumerate(ids[0]):
+        gate = g[e] @ x64
+        hidden = gate / (1 + np.exp(-gate)) * (u[e] @ x64)
+        want += mix[0, j] * dn[e] @ hidden
+        size += mix[0, j] * np.abs(dn[e]) @ np.abs(hidden)
+    # int16 activations (two roundings of at most 1/65534 of a group's largest value) and float32 sums: 2e-5 seen.
+    assert np.all(np.abs(outs[0][0] - want) <= 2e-4 * size.max()), np.max(np.abs(outs[0][0] - want) / size.max())
 
 
 def test_packed_weights_take_about_the_file_size():

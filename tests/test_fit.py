@@ -18,7 +18,7 @@ REAL = EngineProfile(**capabilities.profile())
 # The table below was written for a CPU path holding float32 weights; the engine now keeps them quantized.
 ENGINE = REAL.model_copy(update={"supported_architectures": ARCHS, "gpu_architectures": ARCHS,
                                  "supported_tensor_types": COMMON_TYPES, "gpu_tensor_types": COMMON_TYPES,
-                                 "cpu_weights_dequantized_to_f32": True})
+                                 "cpu_weights_dequantized_to_f32": True, "experts_in_ram": False})
 # The planned engine: experts may live in RAM, computed by the CPU, with or without a float32 copy.
 MOE_F32 = ENGINE.model_copy(update={"experts_in_ram": True})
 MOE_QUANT = ENGINE.model_copy(update={"experts_in_ram": True, "cpu_weights_dequantized_to_f32": False})
@@ -90,25 +90,42 @@ def test_recurrent_state_is_counted_on_the_gpu():
 
 def test_experts_split_between_gpu_and_ram():
     coder = get_model("qwen3-coder-30b-a3b-instruct")
-    half = estimate_memory(coder, 8192, "gpu+ram", MOE_QUANT, experts_on_gpu=64)
-    assert half.gpu_weights_bytes + half.ram_weights_bytes == coder.file_bytes
-    assert half.ram_weights_bytes == coder.expert_bytes // 2
-    assert half.reclaimable_file_bytes == coder.file_bytes - half.ram_weights_bytes
-    f32 = estimate_memory(coder, 8192, "gpu+ram", MOE_F32, experts_on_gpu=64)
+    half = estimate_memory(coder, 8192, "gpu+ram", MOE_QUANT, expert_layers_in_ram=24)  # of 48
+    in_ram = round(coder.expert_bytes / 2)
+    assert half.gpu_weights_bytes == coder.file_bytes - in_ram
+    assert half.ram_weights_bytes == round(in_ram * MOE_QUANT.cpu_bytes_per_file_byte)  # the CPU layout's bytes
+    assert half.reclaimable_file_bytes == coder.file_bytes
+    f32 = estimate_memory(coder, 8192, "gpu+ram", MOE_F32, expert_layers_in_ram=24)
     assert f32.ram_weights_bytes == round(28.991029248e9 * 4 / 2)
-    fewer = estimate_memory(coder, 8192, "gpu+ram", MOE_QUANT, experts_on_gpu=10)
-    assert fewer.vram_bytes < half.vram_bytes and fewer.ram_required_bytes > half.ram_required_bytes
-    assert fewer.ram_bytes == half.ram_bytes  # the whole file is mapped either way
-    assert "(64 experts per layer)" in half.explanation
+    more = estimate_memory(coder, 8192, "gpu+ram", MOE_QUANT, expert_layers_in_ram=40)
+    assert more.vram_bytes < half.vram_bytes and more.ram_required_bytes > half.ram_required_bytes
+    assert more.ram_bytes - more.ram_required_bytes == half.ram_bytes - half.ram_required_bytes  # the file, read once
+    assert "(the experts of 24 layers in RAM)" in half.explanation
 
 
 def test_estimate_refuses_impossible_placements():
     with pytest.raises(ValueError, match="not a mixture of experts"):
-        estimate_memory(get_model("qwen3-8b"), 4096, "gpu+ram", MOE_F32, experts_on_gpu=1)
-    with pytest.raises(ValueError, match="between 0 and 127"):
-        estimate_memory(get_model("qwen3-30b-a3b"), 4096, "gpu+ram", MOE_F32, experts_on_gpu=128)
+        estimate_memory(get_model("qwen3-8b"), 4096, "gpu+ram", MOE_F32, expert_layers_in_ram=1)
+    for layers in (0, 49):
+        with pytest.raises(ValueError, match="between 1 and 48"):
+            estimate_memory(get_model("qwen3-30b-a3b"), 4096, "gpu+ram", MOE_F32, expert_layers_in_ram=layers)
     with pytest.raises(ValueError, match="at least 1"):
         estimate_memory(get_model("qwen3-8b"), 0, "gpu", ENGINE)
+
+
+def test_a_30b_a3b_on_a_12_gb_card_keeps_the_experts_of_the_fewest_layers_in_ram():
+    """The engine's own profile: the fewest layers whose experts go to RAM so the rest fits the card, and a card
+    that cannot hold even the parts that never leave the GPU is refused with what it would need."""
+    model, prefs = get_model("qwen3-coder-30b-a3b-instruct"), Preferences(context_length=8192)
+    fit = fit_model(model, pc(64, 58, [("RTX 3060", 12, 11.5)]), prefs, REAL)
+    layers = fit.memory.expert_layers_in_ram
+    assert fit.level == "gpu+ram" and 1 <= layers < 48 and fit.context_length == 8192
+    budget = 0.95 * 11.5 * GIB
+    assert fit.memory.vram_bytes <= budget
+    assert estimate_memory(model, 8192, "gpu+ram", REAL, expert_layers_in_ram=layers - 1).vram_bytes > budget
+    assert f"with the experts of {layers} of its layers in RAM" in fit.reason
+    small = fit_model(model, pc(16, 12, [("GT 1030", 2, 1.2)]), prefs, REAL)
+    assert small.level == "none" and "of RAM with its experts in RAM" in small.reason
 
 
 def test_largest_context_is_exactly_the_boundary():
@@ -153,9 +170,9 @@ TABLE = [
     ("12 GB card, RAM override 8 GB", pc(128, 120, [("RTX 3060", 12, 11.5)]), "code", MOE_F32,
      {"ram_bytes_override": 8 * GIB}, ("qwen3-14b", "gpu", 8192, ["Runs on the GPU (RTX 3060)"])),
     ("12 GB card, 128 GB RAM, float32 experts in RAM", pc(128, 120, [("RTX 3060", 12, 11.5)]), "code", MOE_F32, {},
-     ("qwen3-coder-30b-a3b-instruct", "gpu+ram", 8192, ["70 experts per layer there and the rest in RAM"])),
+     ("qwen3-coder-30b-a3b-instruct", "gpu+ram", 8192, ["with the experts of 22 of its layers in RAM"])),
     ("8 GB card, 32 GB RAM, quantized experts in RAM", pc(32, 26, [("RTX 4060", 8, 7.5)]), "code", MOE_QUANT, {},
-     ("qwen3-coder-30b-a3b-instruct", "gpu+ram", 8192, ["39 experts per layer"])),
+     ("qwen3-coder-30b-a3b-instruct", "gpu+ram", 8192, ["with the experts of 34 of its layers in RAM"])),
 ]
 
 

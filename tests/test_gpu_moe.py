@@ -131,3 +131,71 @@ def test_moe_ffn_decode_replays_in_a_graph_with_new_expert_ids():
         reference.moe_ffn(q8_values(normed), gate_f, up_f, down_f, iv, wv, want, None)
         assert rel(backend.to_host(out), want) < 1e-4, f"call {replay}"
     backend.close()
+
+
+def test_experts_in_ram_give_the_all_gpu_model_s_tokens(tmp_path):
+    """A qwen3moe model in llama.cpp's Q4_K_M mix (bench/make_synthetic_gguf.py, random weights) loaded all on the GPU
+    and with the experts of some or all of its layers in RAM, computed by the CPU (int16 activations there, int8 on
+    the GPU): a 40-token prompt's logits within 1e-2 of the logit range, and 16 greedy tokens (decode through the
+    captured graph with its host calls) identical, or first differing where the all-GPU model's top two logits are
+    within 0.05. Reports what the load placed in RAM."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from bench.make_synthetic_gguf import type_mix, write_model
+    from engine import GenerationSettings, load_model
+    from engine.generate import decode_one_token, prefill
+
+    path = tmp_path / "tiny-moe.gguf"
+    shape = dict(arch="qwen3moe", hidden=256, layers=4, ffn=256, heads=4, kv_heads=2, head_dim=64, vocab=300,
+                 tied=False, experts=16, experts_used=4, context=512)
+    write_model(path, shape, type_mix("Q4_K_M"), "tiny-moe", seed=3)
+    greedy = GenerationSettings(temperature=0.0).sampling()
+    prompt = np.random.default_rng(4).integers(2, 300, 40).tolist()
+
+    def run(layers_in_ram):
+        model = load_model(path, device="cuda", context_length=128, expert_layers_in_ram=layers_in_ram)
+        state, none = model._state, np.zeros(0, np.int32)
+        logits, _ = prefill(state, prompt)
+        first = state.backend.to_host(logits)
+        tokens = [state.backend.sample(logits, greedy, none, 0.0)]
+        for _ in range(15):
+            tokens.append(state.backend.sample(decode_one_token(state, tokens[-1]), greedy, none, 0.0))
+        info = model.info
+        model.close()
+        return first, tokens, info
+
+    base, base_tokens, _ = run(0)
+    for layers in (2, 4):
+        logits, tokens, info = run(layers)
+        assert info.expert_layers_in_ram == layers and info.host_weight_bytes > 0
+        error = float(np.abs(logits - base).max() / np.ptp(base))
+        print(f"{layers} of 4 layers' experts in RAM ({info.host_weight_bytes} bytes): prompt logits differ by "
+              f"{error:.2e} of the range; greedy {'identical' if tokens == base_tokens else 'differs'}")
+        assert error < 1e-2
+        if tokens != base_tokens:
+            first = next(i for i, (a, b) in enumerate(zip(tokens, base_tokens)) if a != b)
+            model = load_model(path, device="cuda", context_length=128)
+            top2 = np.sort(model.prompt_logits(prompt + base_tokens[:first])[0])[-2:]
+            model.close()
+            assert top2[1] - top2[0] < 0.05, f"differs at token {first}"
+
+
+def test_a_failing_host_call_is_raised_where_the_stream_is_waited_for():
+    """An exception inside the CPU's part of a decode step cannot cross the driver: it is kept and raised by the
+    next synchronize."""
+    backend = CupyBackend()
+    from engine.kernels.host_calls import HostCalls
+
+    calls = HostCalls()
+
+    def fail():
+        raise ValueError("expert kernel failed")
+
+    calls.launch(backend.stream.ptr, "fail", fail)
+    backend.stream.synchronize()
+    with pytest.raises(ValueError, match="expert kernel failed"):
+        calls.check()
+    calls.check()  # raised once
+    backend.close()

@@ -39,10 +39,10 @@ class WeightLoader:
         self._on_progress = on_progress
         self._should_cancel = should_cancel
 
-    def upload(self, tensor: GGUFTensor, counts_as: int = 1) -> WeightHandle:
+    def upload(self, tensor: GGUFTensor, counts_as: int = 1, host: bool = False) -> WeightHandle:
         if self._should_cancel is not None and self._should_cancel():
             raise Cancelled("Loading the model was cancelled before it finished.")
-        handle = self.backend.upload(tensor)
+        handle = self.backend.upload(tensor, host=host)
         self.done += counts_as
         if self._on_progress is not None:
             self._on_progress(self.done, self.total, f"uploaded {tensor.name}")

@@ -93,14 +93,16 @@ def load_weights(
     max_positions: int,
     on_progress: Callable[[int, int, str], None] | None = None,
     should_cancel: Callable[[], bool] | None = None,
+    host_expert_layers: frozenset[int] = frozenset(),
 ) -> DecoderWeights:
+    """host_expert_layers: the MoE layers whose routed experts stay in RAM, computed by the CPU."""
     c = config
     kinds = part_kinds(c)
     has_output = "output.weight" in gguf.tensors
     norms = 2 + 2 * c.post_norms
     per_layer = (kinds[m].uploads(c) + kinds[f].uploads(c) + norms for m, f in zip(c.mixer_kinds, c.ffn_kinds))
     loader = WeightLoader(backend, 2 + has_output + sum(per_layer), on_progress, should_cancel)
-    source = LayerSource(gguf, c, loader, max_positions)
+    source = LayerSource(gguf, c, loader, max_positions, host_expert_layers)
     token_embd = loader.upload(gguf.tensor("token_embd.weight"))
     layers = []
     for i in range(c.n_layers):

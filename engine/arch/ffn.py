@@ -3,7 +3,8 @@
 Dense: gate and up products with the activation (SiLU or GELU-tanh) between them in one op -> down projection.
 MoE: router logits (a linear layer, ffn_gate_inp) -> softmax in float32, the top-k experts, their weights
 renormalized to sum to 1 where the file says so -> each token's chosen experts only, the gated FFN on the
-stacked `ffn_gate_exps`/`ffn_up_exps`, `ffn_down_exps`, summed with the routing weights.
+stacked `ffn_gate_exps`/`ffn_up_exps`, `ffn_down_exps`, summed with the routing weights. A layer named in the
+LayerSource's host_expert_layers keeps its three expert tensors in RAM, where the backend has the CPU compute them.
 """
 
 from __future__ import annotations
@@ -69,8 +70,9 @@ class MoeFFN:
 
     @classmethod
     def load(cls, source: LayerSource, layer: int) -> MoeFFN:
-        names = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
-        router, gate, up, down = (source.upload(layer, f"{name}.weight") for name in names)
+        router = source.upload(layer, "ffn_gate_inp.weight")
+        host = layer in source.host_expert_layers
+        gate, up, down = (source.upload(layer, f"ffn_{name}_exps.weight", host) for name in ("gate", "up", "down"))
         e = source.config.moe()
         return cls(router, gate, up, down, e.top_k, e.normalize_weights)
 

@@ -135,13 +135,14 @@ class LayerSource:
     config: DecoderConfig
     loader: WeightLoader
     max_positions: int
+    host_expert_layers: frozenset[int] = frozenset()  # layers whose routed experts live in RAM (the CPU runs them)
     _ropes: dict[bool, RopeTable] = field(default_factory=dict)
 
     def tensor(self, layer: int, name: str) -> GGUFTensor:
         return self.gguf.tensor(f"blk.{layer}.{name}")
 
-    def upload(self, layer: int, name: str) -> WeightHandle:
-        return self.loader.upload(self.tensor(layer, name))
+    def upload(self, layer: int, name: str, host: bool = False) -> WeightHandle:
+        return self.loader.upload(self.tensor(layer, name), host=host)
 
     def rope(self, sliding: bool) -> RopeTable:
         """The global layers' table (the file's base and scaling) or the sliding layers' (their base, unscaled),

@@ -179,35 +179,37 @@ _F = np.float32
 
 
 @njit(**_JIT)
-def quantize_activation(x):
-    """x (k,) float32 -> int16 values (k,), each 32-value group's scale, and the sums of each group's and each
-    half group's values (2, groups) as the int16 values times the scale (what the groups' offsets multiply)."""
-    groups = x.shape[0] // 32
-    q = np.empty(x.shape[0], np.int16)
-    scale = np.empty(groups, _F)
-    sums = np.empty(groups, _F)
-    halves = np.empty((2, groups), _F)
-    for b in range(groups):
-        top = _F(0)
-        for j in range(32):
-            a = abs(x[b * 32 + j])
-            if a > top or a != a:  # a NaN stays: a NaN scale, NaN products
-                top = a
-        d = top / _F(32767)
-        inverse = _F(32767) / top if top > 0 else _F(0)
-        h0 = np.int32(0)
-        h1 = np.int32(0)
-        for j in range(32):
-            v = np.int32(np.rint(x[b * 32 + j] * inverse))
-            q[b * 32 + j] = v
-            if j < 16:
-                h0 += v
-            else:
-                h1 += v
-        scale[b] = d
-        halves[0, b] = d * _F(h0)
-        halves[1, b] = d * _F(h1)
-        sums[b] = d * _F(h0 + h1)
+def quantize_activations(x):
+    """x (n, k) float32 -> per row: int16 values (n, k), each 32-value group's scale (n, groups), and the sums of
+    each group's and each half group's values (n, groups), (n, 2, groups) as the int16 values times the scale (what
+    the groups' offsets multiply)."""
+    n, groups = x.shape[0], x.shape[1] // 32
+    q = np.empty(x.shape, np.int16)
+    scale = np.empty((n, groups), _F)
+    sums = np.empty((n, groups), _F)
+    halves = np.empty((n, 2, groups), _F)
+    for i in range(n):
+        for b in range(groups):
+            top = _F(0)
+            for j in range(32):
+                a = abs(x[i, b * 32 + j])
+                if a > top or a != a:  # a NaN stays: a NaN scale, NaN products
+                    top = a
+            d = top / _F(32767)
+            inverse = _F(32767) / top if top > 0 else _F(0)
+            h0 = np.int32(0)
+            h1 = np.int32(0)
+            for j in range(32):
+                v = np.int32(np.rint(x[i, b * 32 + j] * inverse))
+                q[i, b * 32 + j] = v
+                if j < 16:
+                    h0 += v
+                else:
+                    h1 += v
+            scale[i, b] = d
+            halves[i, 0, b] = d * _F(h0)
+            halves[i, 1, b] = d * _F(h1)
+            sums[i, b] = d * _F(h0 + h1)
     return q, scale, sums, halves
 
 
@@ -249,26 +251,27 @@ def q6k_rows(lo, hi, d, xq, dx, halves, out, r0, r1):
 numba.config.THREADING_LAYER = "threadsafe"
 
 
-@njit(parallel=True, **_JIT)
-def nibble_blocks(lo, hi, d, m, xq, dx, xs, out, blocks):
-    """nibble_rows over all rows, as `blocks` row ranges run in parallel."""
-    step = (out.shape[0] + blocks - 1) // blocks
-    for i in prange(blocks):
-        r0, r1 = i * step, min(out.shape[0], (i + 1) * step)
-        nibble_rows(lo, hi, d, m, xq, dx, xs, out[r0:r1], r0, r1)
+# A product's row ranges run in parallel: range i computes rows [r0, r1) of the weight with activation row a into
+# out[o : o + r1 - r0], where ranges[i] = (r0, r1, o, a). One range set serves a matrix split over threads and the
+# chosen experts of a mixture (their slabs of rows, each with its own activation for the down projection).
 
 
 @njit(parallel=True, **_JIT)
-def q8_blocks(q, d, xq, dx, out, blocks):
-    step = (out.shape[0] + blocks - 1) // blocks
-    for i in prange(blocks):
-        r0, r1 = i * step, min(out.shape[0], (i + 1) * step)
-        q8_rows(q, d, xq, dx, out[r0:r1], r0, r1)
+def nibble_ranges(lo, hi, d, m, xq, dx, xs, out, ranges):
+    for i in prange(ranges.shape[0]):
+        r0, r1, o, a = ranges[i, 0], ranges[i, 1], ranges[i, 2], ranges[i, 3]
+        nibble_rows(lo, hi, d, m, xq[a], dx[a], xs[a], out[o : o + r1 - r0], r0, r1)
 
 
 @njit(parallel=True, **_JIT)
-def q6k_blocks(lo, hi, d, xq, dx, halves, out, blocks):
-    step = (out.shape[0] + blocks - 1) // blocks
-    for i in prange(blocks):
-        r0, r1 = i * step, min(out.shape[0], (i + 1) * step)
-        q6k_rows(lo, hi, d, xq, dx, halves, out[r0:r1], r0, r1)
+def q8_ranges(q, d, xq, dx, out, ranges):
+    for i in prange(ranges.shape[0]):
+        r0, r1, o, a = ranges[i, 0], ranges[i, 1], ranges[i, 2], ranges[i, 3]
+        q8_rows(q, d, xq[a], dx[a], out[o : o + r1 - r0], r0, r1)
+
+
+@njit(parallel=True, **_JIT)
+def q6k_ranges(lo, hi, d, xq, dx, halves, out, ranges):
+    for i in prange(ranges.shape[0]):
+        r0, r1, o, a = ranges[i, 0], ranges[i, 1], ranges[i, 2], ranges[i, 3]
+        q6k_rows(lo, hi, d, xq[a], dx[a], halves[a], out[o : o + r1 - r0], r0, r1)

@@ -10,7 +10,7 @@ from pydantic import BaseModel, Field
 from setup_logic.catalog import get_model
 from setup_logic.errors import UnknownModelError
 from setup_logic.fit import Preferences, fit_model
-from setup_logic.hardware import probe
+from setup_logic.hardware import GIB, probe
 from strata_mcp.http.serving import serve
 from strata_mcp.reports import EngineStatus, engine_status
 from strata_mcp.runtime import Runtime, UserError, engine_profile
@@ -25,6 +25,12 @@ class StartInput(ToolInput):
     context_length: int | None = Field(
         None, ge=256, le=1_048_576,
         description="Tokens of context; default: the context choose_model picks for this model on this PC.",
+    )
+    vram_gb: float | None = Field(
+        None, gt=0, le=4096,
+        description="GPU memory the model may use, in GB; default: the GPU's free memory. A mixture of experts that "
+        "does not fit keeps the experts of some layers in RAM, where the CPU computes them (choose_model's fit picks "
+        "how many).",
     )
     wait_seconds: float = Field(120.0, ge=0, le=3600, description="How long to wait for the load (reporting progress) before returning 'loading'.")
     serve: bool = Field(
@@ -51,20 +57,27 @@ def _pick_model(runtime: Runtime, requested: str | None) -> str:
     raise UserError(f"Several models are installed ({', '.join(installed)}); pass model to say which to start.")
 
 
-def _fitted_context(runtime: Runtime, model_id: str, device: str) -> int | None:
-    """The context choose_model picks for this model on this PC, so the two agree; None leaves it to the engine."""
+def _fitted(runtime: Runtime, model_id: str, args: StartInput) -> tuple[str, int | None, int]:
+    """The device, context and experts placement choose_model's fit picks for this model on this PC (within vram_gb
+    when given), so the two agree; the engine's defaults for a model the catalog does not know."""
     try:
         model = get_model(model_id)
     except UnknownModelError:  # installed from a catalog that is no longer configured
-        return None
-    prefs = Preferences(vram_bytes_override=0 if device == "cpu" else None)
-    return fit_model(model, probe(runtime.store.data_dir, engine_profile()), prefs, engine_profile()).context_length
+        return args.device, args.context_length, 0
+    vram = 0 if args.device == "cpu" else None if args.vram_gb is None else round(args.vram_gb * GIB)
+    prefs = Preferences(context_length=args.context_length, vram_bytes_override=vram)
+    fit = fit_model(model, probe(runtime.store.data_dir, engine_profile()), prefs, engine_profile())
+    if fit.level == "none" and args.vram_gb is not None:
+        raise UserError(f"{model_id} does not fit in {args.vram_gb:g} GB of GPU memory on this PC: {fit.reason}")
+    device = "cpu" if fit.level == "cpu" and args.device == "auto" and args.vram_gb is not None else args.device
+    layers = fit.memory.expert_layers_in_ram if fit.level == "gpu+ram" and fit.memory else 0
+    return device, args.context_length or fit.context_length, layers or 0
 
 
 def run(runtime: Runtime, args: StartInput, reporter: Reporter) -> StartOutput:
     model_id = _pick_model(runtime, args.model)
-    context = args.context_length or _fitted_context(runtime, model_id, args.device)
-    runtime.start_model(model_id, args.device, context)
+    device, context, layers_in_ram = _fitted(runtime, model_id, args)
+    runtime.start_model(model_id, device, context, layers_in_ram)
     slot = runtime.wait_until_loaded(args.wait_seconds, reporter.cancelled, reporter.progress)
     status = engine_status(slot, runtime.memory_estimate(slot))
     if slot.state in ("ready", "busy"):
@@ -72,6 +85,8 @@ def run(runtime: Runtime, args: StartInput, reporter: Reporter) -> StartOutput:
             f"{model_id} is ready on {status.backend} ({status.backend_reason}), context {status.context_length} tokens, "
             f"loaded in {slot.load_seconds:.1f} s; next: chat."
         )
+        if status.expert_layers_in_ram:
+            summary += f" The experts of {status.expert_layers_in_ram} layers are in RAM, computed by the CPU."
     elif slot.state == "loading":
         where = f" ({slot.load.message})" if slot.load.message else ""
         summary = f"{model_id} is still loading{where}; call status or start again to follow it."

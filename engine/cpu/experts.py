@@ -1,0 +1,51 @@
+"""A mixture of experts' routed FFN on the CPU: what the CPU backend runs, and what the GPU backend hands to the
+CPU for the layers whose experts live in RAM.
+
+One token (decode): the three stacked matrices each take one parallel product over the chosen experts' slabs
+(engine/cpu/products.py expert_products), so a layer wakes the thread pool three times, not three times per expert.
+A chunk of tokens: one pass per expert some token chose, over the tokens that chose it, through the tiled BLAS
+products (a token picks an expert once).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from engine.cpu import products
+from engine.cpu.weights import CpuWeight, activation_for, product
+from engine.kernels import reference
+
+
+def moe_ffn(x: np.ndarray, gate: CpuWeight, up: CpuWeight, down: CpuWeight, ids: np.ndarray, weights: np.ndarray,
+            out: np.ndarray, activation: str, threads: int | None = None) -> None:
+    """out (n, d) = for each token, sum_j weights[i, j] * down[e] @ (act(gate[e] @ x[i]) * (up[e] @ x[i])), e =
+    ids[i, j] (the contract of Backend.moe_ffn); `threads` for the one-token products (default products.threads())."""
+    if x.shape[0] == 1 and all(w.planes is not None for w in (gate, up, down)):
+        _one_token(x[0], gate, up, down, ids[0], weights[0], out[0], activation, threads or products.threads())
+        return
+    f, d = gate.shape[1], down.shape[1]
+    out[...] = 0
+    for expert in np.unique(ids):
+        rows, slots = np.nonzero(ids == expert)
+        xe = x[rows]
+        act = activation_for(xe, gate, up)
+        hidden, up_out, down_out = (np.empty((len(rows), n), np.float32) for n in (f, f, d))
+        product(gate, xe, hidden, expert * f, (expert + 1) * f, act)
+        product(up, xe, up_out, expert * f, (expert + 1) * f, act)
+        reference.activate(hidden, activation)
+        hidden *= up_out
+        product(down, hidden, down_out, expert * d, (expert + 1) * d)
+        out[rows] += down_out * weights[rows, slots, None]
+
+
+def _one_token(x: np.ndarray, gate: CpuWeight, up: CpuWeight, down: CpuWeight, ids: np.ndarray, weights: np.ndarray,
+               out: np.ndarray, activation: str, threads: int) -> None:
+    top_k, f, d = len(ids), gate.shape[1], down.shape[1]
+    act = products.activation(x)
+    hidden, up_out, down_out = (np.empty(top_k * n, np.float32) for n in (f, f, d))
+    products.expert_products(gate.planes, act, ids, hidden, False, threads)
+    products.expert_products(up.planes, act, ids, up_out, False, threads)
+    reference.activate(hidden, activation)
+    hidden *= up_out
+    products.expert_products(down.planes, products.activation(hidden.reshape(top_k, f)), ids, down_out, True, threads)
+    np.matmul(weights.astype(np.float32), down_out.reshape(top_k, d), out=out)

@@ -1,0 +1,57 @@
+"""Python functions run by the CPU at a point of a CUDA stream, capturable in a CUDA graph (a host node).
+
+The GPU backend computes the experts that live in RAM this way: the stream copies a token's activation to pinned
+memory, a host call runs the CPU kernels on it, the stream copies the result back, and the decode step stays one
+graph with no Python round trip between its layers. CuPy's own `Stream.launch_host_func` releases its callback
+after the first call, which a graph replaying it would then call freed; here the callback lives as long as the
+table: the driver's `cuLaunchHostFunc` gets one C callback for the whole table and the job's index as its data.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from typing import Callable
+
+_CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+
+
+class HostCalls:
+    """A table of jobs a stream can call. A job's exception is kept (the driver cannot take it) and raised by
+    `check`, which the backend calls wherever it waits for the stream."""
+
+    def __init__(self) -> None:
+        driver = ctypes.CDLL("nvcuda.dll" if os.name == "nt" else "libcuda.so.1")
+        self._launch = driver.cuLaunchHostFunc
+        self._launch.argtypes = [ctypes.c_void_p, _CALLBACK, ctypes.c_void_p]
+        self._launch.restype = ctypes.c_int
+        self._jobs: list[Callable[[], None]] = []
+        self._index: dict[object, int] = {}
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._callback = _CALLBACK(self._run)  # kept: the driver holds its address
+
+    def _run(self, data: int | None) -> None:
+        try:
+            self._jobs[data or 0]()
+        except BaseException as exc:  # noqa: BLE001 - nothing above the driver's thread could catch it
+            with self._lock:
+                self._error = self._error or exc
+
+    def launch(self, stream_ptr: int, key: object, job: Callable[[], None]) -> None:
+        """Queue `job` on the stream; the same key reuses the job registered first (a graph keeps calling it)."""
+        index = self._index.get(key)
+        if index is None:
+            index = self._index[key] = len(self._jobs)
+            self._jobs.append(job)
+        status = self._launch(ctypes.c_void_p(stream_ptr), self._callback, ctypes.c_void_p(index))
+        if status:
+            raise RuntimeError(f"cuLaunchHostFunc failed with CUDA driver error {status}")
+
+    def check(self) -> None:
+        """Raise the first exception a job raised since the last check."""
+        with self._lock:
+            error, self._error = self._error, None
+        if error is not None:
+            raise error
