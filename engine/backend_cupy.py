@@ -241,6 +241,8 @@ class CupyBackend:
         self._id_slots = None
         self._host_weights.clear()
         self._host_stage.clear()
+        if self._host_calls is not None:
+            self._host_calls.close()
         gc.collect()  # arrays kept alive only by reference cycles go back to the pool before it is emptied
         cupy.get_default_memory_pool().free_all_blocks()
         cupy.get_default_pinned_memory_pool().free_all_blocks()

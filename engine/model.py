@@ -95,6 +95,9 @@ def _host_expert_layers(config: Any, count: Any, name: str) -> frozenset[int]:
     """The first `count` mixture-of-experts layers, whose experts are to stay in RAM; EngineError when impossible."""
     if not isinstance(count, int) or isinstance(count, bool) or count < 0:
         raise EngineError(f"expert_layers_in_ram must be a whole number of layers, 0 or more, not {count!r}.")
+    if count and not hasattr(config, "ffn_kinds"):
+        raise EngineError(f"{name}'s architecture cannot keep its experts in RAM apart from the rest yet; "
+                          "use expert_layers_in_ram=0.")
     moe_layers = [i for i, kind in enumerate(getattr(config, "ffn_kinds", ())) if kind == MOE]
     if count > len(moe_layers):
         what = f"only {len(moe_layers)} mixture-of-experts layers" if moe_layers else "no mixture-of-experts layers"

@@ -177,6 +177,32 @@ def test_one_token_experts_match_gguf_dequantize_then_float64(gate_type, down_ty
     assert np.all(np.abs(outs[0][0] - want) <= 2e-4 * size.max()), np.max(np.abs(outs[0][0] - want) / size.max())
 
 
+def test_a_chunk_s_experts_give_the_same_bits_on_a_thread_pool():
+    """Prompt chunks run one pass per chosen expert (dequantized tiles, BLAS), the experts spread over threads: the
+    same bits as one thread, and the float64 mixture of gguf's dequantized experts within float32 rounding."""
+    rng = np.random.default_rng(12)
+    count, f, d, n, top_k = 5, 64, 128, 7, 2
+    shapes = {"gate": (T.Q4_0, f, d), "up": (T.Q4_0, f, d), "down": (T.Q8_0, d, f)}
+    made = {name: _weight(qtype, count * rows, k, rng) for name, (qtype, rows, k) in shapes.items()}
+    held = {name: weights.load(name, made[name][0], qtype, (count, rows, k)) for name, (qtype, rows, k) in shapes.items()}
+    x = rng.standard_normal((n, d)).astype(np.float32)
+    ids = np.stack([rng.choice(count, top_k, replace=False) for _ in range(n)]).astype(np.int32)
+    mix = rng.random((n, top_k)).astype(np.float32)
+    one, pooled = np.full((n, d), np.nan, np.float32), np.full((n, d), np.nan, np.float32)
+    experts.moe_ffn(x, held["gate"], held["up"], held["down"], ids, mix, one, "silu", 1)
+    experts.moe_ffn(x, held["gate"], held["up"], held["down"], ids, mix, pooled, "silu", 3)
+    np.testing.assert_array_equal(pooled, one)
+    g, u, dn = (made[name][1].reshape(count, -1, made[name][1].shape[1]) for name in ("gate", "up", "down"))
+    for i in range(n):
+        want, size = np.zeros(d), np.zeros(d)
+        for j, e in enumerate(ids[i]):
+            gate = g[e] @ x[i].astype(np.float64)
+            hidden = gate / (1 + np.exp(-gate)) * (u[e] @ x[i].astype(np.float64))
+            want += mix[i, j] * dn[e] @ hidden
+            size += mix[i, j] * np.abs(dn[e]) @ np.abs(hidden)
+        assert np.all(np.abs(one[i] - want) <= 1e-5 * size.max())
+
+
 def test_packed_weights_take_about_the_file_size():
     rng = np.random.default_rng(6)
     for qtype, most in [(T.Q4_0, 1.34), (T.Q4_1, 1.21), (T.Q8_0, 1.06), (T.Q4_K, 1.34), (T.Q6_K, 1.22)]:

@@ -81,3 +81,29 @@ def test_sentencepiece_vocabulary_of_an_unknown_family_is_refused(tmp_path):
     writer.close()
     with pytest.raises(EngineError, match="SentencePiece tokenizer, which this engine supports for gemma"):
         Tokenizer(GGUFFile(path))
+
+
+def test_expert_layers_in_ram_are_checked_at_load(tmp_path):
+    """load_model(expert_layers_in_ram=N) names the MoE layers whose experts stay in RAM on the GPU; on the CPU
+    everything is in RAM already, so a valid N changes nothing there, and an impossible one is refused."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from bench.make_synthetic_gguf import write_model
+    from engine import load_model
+
+    moe = tmp_path / "moe.gguf"
+    write_model(moe, dict(arch="qwen3moe", hidden=64, layers=3, ffn=32, heads=2, kv_heads=1, head_dim=32, vocab=300,
+                          tied=False, experts=4, experts_used=2, context=64), GGMLQuantizationType.Q8_0, "moe")
+    model = load_model(moe, device="cpu", expert_layers_in_ram=3)
+    assert model.info.expert_layers_in_ram == 0 and model.info.host_weight_bytes == 0
+    model.close()
+    for bad, words in ((4, "only 3 mixture-of-experts layers"), (-1, "0 or more"), (1.5, "whole number")):
+        with pytest.raises(EngineError, match=words):
+            load_model(moe, device="cpu", expert_layers_in_ram=bad)
+    dense = tmp_path / "dense.gguf"
+    write_model(dense, dict(hidden=64, layers=2, ffn=128, heads=2, kv_heads=1, vocab=300, tied=True),
+                GGMLQuantizationType.Q8_0, "dense")
+    with pytest.raises(EngineError, match="has no mixture-of-experts layers"):
+        load_model(dense, device="cpu", expert_layers_in_ram=1)

@@ -4,12 +4,16 @@ CPU for the layers whose experts live in RAM.
 One token (decode): the three stacked matrices each take one parallel product over the chosen experts' slabs
 (engine/cpu/products.py expert_products), so a layer wakes the thread pool three times, not three times per expert.
 A chunk of tokens: one pass per expert some token chose, over the tokens that chose it, through the tiled BLAS
-products (a token picks an expert once).
+products (a token picks an expert once); the experts run on a pool of threads, each dequantizing its own tiles.
 """
 
 from __future__ import annotations
 
+import functools
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 from engine.cpu import products
 from engine.cpu.weights import CpuWeight, activation_for, product
@@ -20,12 +24,14 @@ def moe_ffn(x: np.ndarray, gate: CpuWeight, up: CpuWeight, down: CpuWeight, ids:
             out: np.ndarray, activation: str, threads: int | None = None) -> None:
     """out (n, d) = for each token, sum_j weights[i, j] * down[e] @ (act(gate[e] @ x[i]) * (up[e] @ x[i])), e =
     ids[i, j] (the contract of Backend.moe_ffn); `threads` for the one-token products (default products.threads())."""
+    threads = threads or products.threads()
     if x.shape[0] == 1 and all(w.planes is not None for w in (gate, up, down)):
-        _one_token(x[0], gate, up, down, ids[0], weights[0], out[0], activation, threads or products.threads())
+        _one_token(x[0], gate, up, down, ids[0], weights[0], out[0], activation, threads)
         return
     f, d = gate.shape[1], down.shape[1]
-    out[...] = 0
-    for expert in np.unique(ids):
+
+    def expert_output(expert: int) -> tuple[np.ndarray, np.ndarray]:
+        """The weighted output of one expert for the tokens that chose it, and their rows."""
         rows, slots = np.nonzero(ids == expert)
         xe = x[rows]
         act = activation_for(xe, gate, up)
@@ -35,7 +41,23 @@ def moe_ffn(x: np.ndarray, gate: CpuWeight, up: CpuWeight, down: CpuWeight, ids:
         reference.activate(hidden, activation)
         hidden *= up_out
         product(down, hidden, down_out, expert * d, (expert + 1) * d)
-        out[rows] += down_out * weights[rows, slots, None]
+        return rows, down_out * weights[rows, slots, None]
+
+    chosen = np.unique(ids).tolist()
+    if threads > 1 and len(chosen) > 1:
+        # Experts in parallel, each on one BLAS thread: their products are small, their dequantization is the work.
+        with threadpool_limits(limits=1, user_api="blas"):
+            parts = list(_pool(threads).map(expert_output, chosen))
+    else:
+        parts = [expert_output(e) for e in chosen]
+    out[...] = 0
+    for rows, part in parts:  # summed in expert order, whatever the threads
+        out[rows] += part
+
+
+@functools.lru_cache(maxsize=4)
+def _pool(threads: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=threads, thread_name_prefix="strata-experts")
 
 
 def _one_token(x: np.ndarray, gate: CpuWeight, up: CpuWeight, down: CpuWeight, ids: np.ndarray, weights: np.ndarray,
