@@ -55,7 +55,7 @@ class ModelState:
     """Everything a forward pass needs, owned by one LoadedModel."""
 
     arch: Architecture
-    config: DecoderConfig  # a hybrid family's own config (engine/arch/qwen35.py)
+    config: DecoderConfig
     weights: DecoderWeights
     workspace: Workspace
     cache: KVCache | RecurrentCache
@@ -68,8 +68,15 @@ def run_chunk(state: ModelState, tokens: list[int], start: int, logits_out=None)
     """Forward tokens at positions start.. (at most workspace.max_chunk of them); returns backend logits."""
     ws = state.workspace
     n = len(tokens)
+    _begin_at(state, start)
     state.backend.copy_into(ws.ids[: n + 1], np.asarray([start, *tokens], dtype=np.int32))
     return state.arch.forward(state.config, state.weights, ws, state.backend, state.cache, n, logits_out)
+
+
+def _begin_at(state: ModelState, position: int) -> None:
+    """A pass at position 0 starts a new sequence: a hybrid model's recurrent states start from zeros."""
+    if position == 0 and isinstance(state.cache, RecurrentCache):
+        state.cache.reset()
 
 
 def prefill(state: ModelState, prompt: list[int], should_stop: Callable[[], bool] | None = None):
@@ -101,6 +108,7 @@ def prefill(state: ModelState, prompt: list[int], should_stop: Callable[[], bool
 def decode_one_token(state: ModelState, token: int):
     """Append one token to the cache and return the logits (vocab,) for the token after it."""
     ws = state.workspace
+    _begin_at(state, len(state.cached))
     state.backend.copy_into(ws.ids[:2], np.asarray([len(state.cached), token], dtype=np.int32))
     state.decode_step()
     state.cached.append([token])

@@ -12,7 +12,7 @@ import numpy as np
 import psutil
 
 from engine.arch import architecture_module
-from engine.arch.parts import MOE
+from engine.arch.parts import MOE, MOE_SHARED, DecoderConfig
 from engine.backend import Backend, MemoryInUse
 from engine.backend_numpy import NumpyBackend
 from engine.capabilities import DEFAULT_CONTEXT, MAX_PROMPT_CHUNK, gpu_architectures
@@ -91,14 +91,11 @@ def _check_cpu_memory(gguf: GGUFFile, backend: Backend) -> None:
         )
 
 
-def _host_expert_layers(config: Any, count: Any, name: str) -> frozenset[int]:
+def _host_expert_layers(config: DecoderConfig, count: Any, name: str) -> frozenset[int]:
     """The first `count` mixture-of-experts layers, whose experts are to stay in RAM; EngineError when impossible."""
     if not isinstance(count, int) or isinstance(count, bool) or count < 0:
         raise EngineError(f"expert_layers_in_ram must be a whole number of layers, 0 or more, not {count!r}.")
-    if count and not hasattr(config, "ffn_kinds"):
-        raise EngineError(f"{name}'s architecture cannot keep its experts in RAM apart from the rest yet; "
-                          "use expert_layers_in_ram=0.")
-    moe_layers = [i for i, kind in enumerate(getattr(config, "ffn_kinds", ())) if kind == MOE]
+    moe_layers = [i for i, kind in enumerate(config.ffn_kinds) if kind in (MOE, MOE_SHARED)]
     if count > len(moe_layers):
         what = f"only {len(moe_layers)} mixture-of-experts layers" if moe_layers else "no mixture-of-experts layers"
         raise EngineError(f"{name} has {what}, so the experts of {count} layers cannot be kept in RAM. "
@@ -256,14 +253,10 @@ def load_model(
             host_layers = frozenset()
         try:
             _check_cpu_memory(gguf, backend)
-            placement = {"host_expert_layers": host_layers} if host_layers else {}
-            weights = arch.load_weights(gguf, config, backend, context, on_progress, should_cancel, **placement)
+            weights = arch.load_weights(gguf, config, backend, context, on_progress, should_cancel, host_layers)
             memory = backend.memory_in_use()
             weight_bytes = memory.total_bytes
-            if hasattr(arch, "new_cache"):  # hybrid models: KV entries for some layers, recurrent state for the rest
-                cache = arch.new_cache(config, backend, context)
-            else:
-                cache = backend.kv_cache(config.n_layers, config.n_kv_heads, config.head_dim, context)
+            cache = arch.new_cache(config, backend, context)
             workspace = arch.new_workspace(config, backend, min(MAX_PROMPT_CHUNK, context))
         except MemoryError:
             backend.close()

@@ -51,8 +51,8 @@ def test_load_progress_reaches_its_total_exactly(tiny):
 
 
 @pytest.mark.parametrize("field, kind, message", [
-    ("mixer_kinds", "deltanet", "Layer 1 asks for a mixer of kind 'deltanet'.*it has attention"),
-    ("ffn_kinds", "shared_moe", "Layer 1 asks for an FFN of kind 'shared_moe'.*it has dense, moe"),
+    ("mixer_kinds", "mamba", "Layer 1 asks for a mixer of kind 'mamba'.*it has attention, deltanet, gated_attention"),
+    ("ffn_kinds", "shared_moe", "Layer 1 asks for an FFN of kind 'shared_moe'.*it has dense, moe, moe_shared"),
 ])
 def test_an_unknown_part_kind_is_refused(tiny, field, kind, message):
     config = ARCHITECTURES[tiny.architecture].read_config(tiny)
@@ -69,4 +69,7 @@ def test_moe_layers_without_experts_are_refused(tiny):
     config = ARCHITECTURES[tiny.architecture].read_config(tiny)
     config = replace(config, ffn_kinds=("moe",) * config.n_layers, experts=None)
     with pytest.raises(EngineError, match="mixture-of-experts layers but no `experts`"):
+        new_workspace(config, NumpyBackend(), 8)
+    config = replace(config, ffn_kinds=("dense",) * config.n_layers, mixer_kinds=("deltanet",) * config.n_layers)
+    with pytest.raises(EngineError, match="Gated DeltaNet layers but no `deltanet`"):
         new_workspace(config, NumpyBackend(), 8)

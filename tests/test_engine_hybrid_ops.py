@@ -220,15 +220,16 @@ def test_older_files_place_attention_by_the_interval_and_mtp_layers_are_left_out
     file = GGUFFile(tmp_path / "old.gguf")
     config = qwen35.read_config(file)
     file.close()
-    assert config.n_layers == 4 and config.recurrent_layers == (True, False, True, False)
-    assert config.tiled and config.n_experts == 0 and config.head_v_dim == 4 and config.n_recurrent == 2
+    assert config.n_layers == 4 and config.mixer_kinds == ("deltanet", "gated_attention") * 2
+    assert config.deltanet.tiled and config.experts is None and config.deltanet.head_v_dim == 4
+    assert [config.slot(i) for i in range(4)] == [0, 0, 1, 1]
 
 
 def test_projections_stored_in_different_types_load_apart_and_give_the_same_logits(tmp_path, smollm2_gguf, monkeypatch):
     import torch
 
     from engine import load_model
-    from engine.arch import deltanet, qwen35
+    from engine.arch import deltanet, gated_attention
     from gguf_convert import write_gguf
     from test_engine_hybrid import _build
 
@@ -240,7 +241,7 @@ def test_projections_stored_in_different_types_load_apart_and_give_the_same_logi
     ids = fused.tokenizer.encode("The capital of France is Paris. The capital of Germany is")
     expected, _ = fused.prompt_logits(ids, all_positions=True)
     fused.close()
-    monkeypatch.setattr(qwen35, "concat_rows", lambda *args: None)
+    monkeypatch.setattr(gated_attention, "concat_rows", lambda *args: None)
     monkeypatch.setattr(deltanet, "concat_rows", lambda *args: None)
     progress = []
     apart = load_model(path, device="cpu", context_length=256, on_progress=lambda done, total, _: progress.append((done, total)))

@@ -1,10 +1,9 @@
 """Architecture registry: `general.architecture` -> the module that runs it.
 
 Every family module reads its hyper-parameters from the GGUF into a DecoderConfig (engine/arch/parts.py) and
-runs on the one decoder (engine/arch/decoder.py), whose load_weights, new_workspace and forward it exports; a
-module is an `Architecture`. The hybrid Gated DeltaNet families (engine/arch/qwen35.py) still run their own layer
-loop, written before the decoder; their module also has new_cache(config, backend, max_tokens), since their state
-is more than a KVCache (engine.kv_cache.RecurrentCache).
+runs on the one decoder (engine/arch/decoder.py), whose load_weights, new_workspace, new_cache and forward it
+exports; a module is an `Architecture`. The hybrid Gated DeltaNet families (engine/arch/qwen35.py) too: their cache
+is a RecurrentCache (engine/kv_cache.py), KV entries for their attention layers and states for the others.
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ if TYPE_CHECKING:
     from engine.arch.parts import DecoderConfig
     from engine.backend import Array, Backend, KVCache
     from engine.gguf_file import GGUFFile
+    from engine.kv_cache import RecurrentCache
 
 
 @runtime_checkable
@@ -37,8 +37,14 @@ class Architecture(Protocol):
         max_positions: int,
         on_progress: Callable[[int, int, str], None] | None = None,
         should_cancel: Callable[[], bool] | None = None,
+        host_expert_layers: frozenset[int] = frozenset(),
     ) -> DecoderWeights:
-        """Every tensor uploaded, reporting (done, total, message) until done == total."""
+        """Every tensor uploaded, reporting (done, total, message) until done == total; the routed experts of the
+        host_expert_layers kept in RAM for the CPU."""
+        ...
+
+    def new_cache(self, config: DecoderConfig, backend: Backend, max_tokens: int) -> KVCache | RecurrentCache:
+        """The cache a forward pass fills: KV entries (and recurrent states where the model has them)."""
         ...
 
     def new_workspace(self, config: DecoderConfig, backend: Backend, max_chunk: int) -> Workspace:
@@ -52,7 +58,7 @@ class Architecture(Protocol):
         weights: DecoderWeights,
         ws: Workspace,
         backend: Backend,
-        cache: KVCache,
+        cache: KVCache | RecurrentCache,
         n: int,
         logits_out: Array | None = None,
     ) -> Array:

@@ -2,7 +2,7 @@
 
     embed (times the config's embedding scale)
     per layer: rms_norm (layer 0) or add_rms_norm (the previous output's residual add fused with this norm)
-               -> mixer -> [rms_norm of its output, post_norms] -> add_rms_norm (residual add, FFN norm)
+               -> mixer -> [rms_norm of its output, post_norms] -> add_rms_norm (residual add, the FFN's norm)
                -> FFN -> [rms_norm of its output, post_norms]
     add_rms_norm (the last residual add, output norm) -> the output head on the last token only (on every token
     when the caller asks for all logits)
@@ -22,14 +22,18 @@ import numpy as np
 
 from engine.arch.attention import Attention
 from engine.arch.common import WeightLoader
-from engine.arch.ffn import DenseFFN, MoeFFN
-from engine.arch.parts import ATTENTION, DENSE, MOE, Buffers, Chunk, DecoderConfig, LayerPart, LayerSource
+from engine.arch.deltanet import DeltaNet
+from engine.arch.ffn import DenseFFN, MoeFFN, SharedMoeFFN
+from engine.arch.gated_attention import GatedAttention
+from engine.arch.parts import (ATTENTION, DELTANET, DENSE, GATED_ATTENTION, MOE, MOE_SHARED, Buffers, Chunk,
+                               DecoderConfig, LayerPart, LayerSource)
 from engine.backend import Array, Backend, KVCache, WeightHandle
 from engine.errors import EngineError
 from engine.gguf_file import GGUFFile
+from engine.kv_cache import RecurrentCache
 
-MIXERS: dict[str, type[LayerPart]] = {ATTENTION: Attention}
-FFNS: dict[str, type[LayerPart]] = {DENSE: DenseFFN, MOE: MoeFFN}
+MIXERS: dict[str, type[LayerPart]] = {ATTENTION: Attention, GATED_ATTENTION: GatedAttention, DELTANET: DeltaNet}
+FFNS: dict[str, type[LayerPart]] = {DENSE: DenseFFN, MOE: MoeFFN, MOE_SHARED: SharedMoeFFN}
 
 
 @dataclass
@@ -111,7 +115,7 @@ def load_weights(
             mixer=kinds[c.mixer_kinds[i]].load(source, i),
             mixer_norm=source.upload(i, "attn_norm.weight"),
             post_mixer_norm=source.upload(i, "post_attention_norm.weight") if c.post_norms else None,
-            ffn_norm=source.upload(i, "ffn_norm.weight"),
+            ffn_norm=source.upload(i, f"{c.ffn_norm}.weight"),
             ffn=kinds[c.ffn_kinds[i]].load(source, i),
             post_ffn_norm=source.upload(i, "post_ffw_norm.weight") if c.post_norms else None,
         ))
@@ -119,6 +123,24 @@ def load_weights(
     output = loader.upload(gguf.tensor("output.weight")) if has_output else token_embd
     source.make_ropes()
     return DecoderWeights(token_embd, layers, output_norm, output)
+
+
+def new_cache(config: DecoderConfig, backend: Backend, max_tokens: int) -> KVCache | RecurrentCache:
+    """The KV cache of every layer; with DeltaNet layers, a RecurrentCache: KV entries for the other layers only and
+    the recurrent layers' states (zeros), each layer at its config.slot."""
+    c = config
+    n_recurrent = c.mixer_kinds.count(DELTANET)
+    if not n_recurrent:
+        return backend.kv_cache(c.n_layers, c.n_kv_heads, c.head_dim, max_tokens)
+    s = c.deltanet
+    conv = (n_recurrent, s.conv_kernel - 1, s.conv_dim)
+    ssm = (n_recurrent, s.n_v_heads, s.head_k_dim, s.head_v_dim)
+    cache = RecurrentCache(
+        kv=backend.kv_cache(c.n_layers - n_recurrent, c.n_kv_heads, c.head_dim, max_tokens),
+        conv=backend.empty(conv), ssm=backend.empty(ssm), saved_conv=backend.empty(conv), saved_ssm=backend.empty(ssm),
+    )
+    cache.reset()
+    return cache
 
 
 def new_workspace(config: DecoderConfig, backend: Backend, max_chunk: int) -> Workspace:
@@ -142,12 +164,13 @@ def forward(
     weights: DecoderWeights,
     ws: Workspace,
     backend: Backend,
-    cache: KVCache,
+    cache: KVCache | RecurrentCache,
     n: int,
     logits_out: Array | None = None,
 ) -> Array:
-    """Run the n tokens in ws.tokens[:n] at positions ws.start[0] + i, filling the KV cache. Returns the last
-    token's logits (ws.logits), or every token's logits in logits_out (n, vocab) when given."""
+    """Run the n tokens in ws.tokens[:n] at positions ws.start[0] + i, filling the KV cache (and advancing the
+    recurrent states, which the caller resets for a chunk at position 0). Returns the last token's logits
+    (ws.logits), or every token's logits in logits_out (n, vocab) when given."""
     c = config
     chunk = ws.chunk(n)
     x, h, delta = chunk.x, chunk.h, chunk.delta

@@ -20,8 +20,10 @@ from gguf import GGMLQuantizationType
 
 from engine import quants
 from engine.arch.common import WeightLoader, concat_rows
-from engine.backend import Backend, WeightHandle
+from engine.arch.parts import DELTANET, Buffers, Chunk, DecoderConfig, LayerSource
+from engine.backend import Array, Backend, WeightHandle
 from engine.gguf_file import GGUFFile, GGUFTensor
+from engine.kv_cache import RecurrentCache
 
 
 @dataclass
@@ -108,3 +110,41 @@ def mixer_block(
     heads = core.reshape(n, n_v, dv)
     backend.gated_rms_norm(heads, proj[:, b[1] : b[2]].reshape(n, n_v, dv), w.norm, eps, heads)
     backend.linear(core, w.out, out)
+
+
+@dataclass
+class DeltaNetBuffers(Buffers):
+    proj: Array  # (max_chunk, conv_dim + value_dim + 2 n_v): qkv, z, then b and a
+    mixed: Array  # (max_chunk, conv_dim): the convolved qkv
+    core: Array  # (max_chunk, value_dim): the delta rule's output, normed in place
+
+
+@dataclass
+class DeltaNet:
+    """The decoder's part for a Gated DeltaNet layer; `slot` is its state's place among the recurrent layers."""
+
+    weights: DeltaNetWeights
+    slot: int
+
+    @staticmethod
+    def uploads(config: DecoderConfig) -> int:
+        # qkv, the output gate, b and a (one ssm_ba tensor in qwen3next files, whose heads are not tiled), the
+        # convolution, dt_bias, A, the norm and the output projection
+        return 8 + config.recurrent_shape().tiled
+
+    @classmethod
+    def load(cls, source: LayerSource, layer: int) -> DeltaNet:
+        c = source.config
+        return cls(load_mixer(source.gguf, source.loader, layer, c.recurrent_shape().n_k_heads), c.slot(layer))
+
+    @staticmethod
+    def buffers(config: DecoderConfig, backend: Backend, max_chunk: int) -> DeltaNetBuffers:
+        s = config.recurrent_shape()
+        return DeltaNetBuffers(backend.empty((max_chunk, s.conv_dim + s.value_dim + 2 * s.n_v_heads)),
+                               backend.empty((max_chunk, s.conv_dim)), backend.empty((max_chunk, s.value_dim)))
+
+    def run(self, config: DecoderConfig, chunk: Chunk, backend: Backend, cache: RecurrentCache, layer: int) -> None:
+        b: DeltaNetBuffers = chunk.parts[DELTANET]
+        s = config.deltanet
+        mixer_block(self.weights, chunk.h, b.proj, b.mixed, b.core, chunk.delta, cache.conv[self.slot],
+                    cache.ssm[self.slot], backend, s.n_k_heads, s.tiled, config.rms_eps)

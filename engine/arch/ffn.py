@@ -3,7 +3,8 @@
 Dense: gate and up products with the activation (SiLU or GELU-tanh) between them in one op -> down projection.
 MoE: router logits (a linear layer, ffn_gate_inp) -> softmax in float32, the top-k experts, their weights
 renormalized to sum to 1 where the file says so -> each token's chosen experts only, the gated FFN on the
-stacked `ffn_gate_exps`/`ffn_up_exps`, `ffn_down_exps`, summed with the routing weights. A layer named in the
+stacked `ffn_gate_exps`/`ffn_up_exps`, `ffn_down_exps`, summed with the routing weights. The hybrids' MoE adds a
+shared expert scaled by a sigmoid gate. A layer named in the
 LayerSource's host_expert_layers keeps its three expert tensors in RAM, where the backend has the CPU compute them.
 """
 
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.arch.parts import DENSE, MOE, Buffers, Chunk, DecoderConfig, LayerSource
+from engine.arch.parts import DENSE, MOE, MOE_SHARED, Buffers, Chunk, DecoderConfig, LayerSource
 from engine.backend import Array, Backend, KVCache, WeightHandle
 
 
@@ -87,10 +88,60 @@ class MoeFFN:
         )
 
     def run(self, config: DecoderConfig, chunk: Chunk, backend: Backend, cache: KVCache, layer: int) -> None:
-        b: MoeBuffers = chunk.parts[MOE]
+        self.routed(config, chunk, backend, chunk.parts[MOE])
+
+    def routed(self, config: DecoderConfig, chunk: Chunk, backend: Backend, b: MoeBuffers) -> None:
+        """The chosen experts' weighted sum into chunk.delta."""
         h = chunk.h
         backend.linear(h, self.router, b.router_logits)
         backend.moe_route(b.router_logits, self.top_k, self.normalize_weights, b.weights, b.ids)
         backend.moe_ffn(h, self.gate_exps, self.up_exps, self.down_exps, b.ids, b.weights, chunk.delta, b.scratch,
                         config.activation)
+
+
+@dataclass
+class SharedMoeBuffers(MoeBuffers):
+    act: Array  # (max_chunk, shared width): the shared expert's activation(gate) * up
+    act_scratch: Array
+    shared_out: Array  # (max_chunk, hidden)
+    shared_gate: Array  # (max_chunk, 1): the logit of the shared expert's sigmoid gate
+
+
+@dataclass
+class SharedMoeFFN:
+    """Routed experts plus a shared expert that every token runs, scaled by sigmoid(ffn_gate_inp_shexp . h)
+    (Qwen3.5 / Qwen3-Next MoE layers)."""
+
+    routed: MoeFFN
+    shared: DenseFFN
+    shared_gate: WeightHandle  # (1, hidden)
+
+    @staticmethod
+    def uploads(config: DecoderConfig) -> int:
+        return 8
+
+    @classmethod
+    def load(cls, source: LayerSource, layer: int) -> SharedMoeFFN:
+        routed = MoeFFN.load(source, layer)
+        shared = DenseFFN(*(source.upload(layer, f"ffn_{x}_shexp.weight") for x in ("gate", "up", "down")))
+        return cls(routed, shared, source.upload(layer, "ffn_gate_inp_shexp.weight"))
+
+    @staticmethod
+    def buffers(config: DecoderConfig, backend: Backend, max_chunk: int) -> SharedMoeBuffers:
+        routed = MoeFFN.buffers(config, backend, max_chunk)
+        width = config.moe().shared_width
+        return SharedMoeBuffers(
+            **{f: getattr(routed, f) for f in ("router_logits", "weights", "ids", "scratch")},
+            act=backend.empty((max_chunk, width)), act_scratch=backend.empty((max_chunk, width)),
+            shared_out=backend.empty((max_chunk, config.hidden)), shared_gate=backend.empty((max_chunk, 1)),
+        )
+
+    def run(self, config: DecoderConfig, chunk: Chunk, backend: Backend, cache: KVCache, layer: int) -> None:
+        b: SharedMoeBuffers = chunk.parts[MOE_SHARED]
+        self.routed.routed(config, chunk, backend, b)
+        s = self.shared
+        backend.gated_ffn(chunk.h, s.gate, s.up, b.act, b.act_scratch, config.activation)
+        backend.linear(b.act, s.down, b.shared_out)
+        backend.linear(chunk.h, self.shared_gate, b.shared_gate)
+        backend.sigmoid_gate(b.shared_out, b.shared_gate, chunk.delta, accumulate=True)
 

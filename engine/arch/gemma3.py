@@ -11,12 +11,12 @@ from dataclasses import replace
 import numpy as np
 
 from engine.arch.common import hparam
-from engine.arch.decoder import forward, load_weights, new_workspace
+from engine.arch.decoder import forward, load_weights, new_cache, new_workspace
 from engine.arch.parts import DecoderConfig, read_decoder_config
 from engine.backend import ROPE_NEOX
 from engine.gguf_file import GGUFFile
 
-__all__ = ["read_config", "load_weights", "new_workspace", "forward"]
+__all__ = ["read_config", "load_weights", "new_workspace", "new_cache", "forward"]
 
 DEFAULT_SLIDING_PATTERN = 6  # llama.cpp's for Gemma 3 files that do not state one: 5 local layers, then 1 global
 DEFAULT_LOCAL_ROPE_BASE = 10000.0

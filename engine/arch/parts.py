@@ -16,10 +16,14 @@ from engine.arch.common import WeightLoader, hparam, rope_inv_freq
 from engine.backend import ROPE_NORMAL, Array, Backend, KVCache, RopeTable, WeightHandle
 from engine.errors import EngineError
 from engine.gguf_file import GGUFFile, GGUFTensor
+from engine.kv_cache import RecurrentCache
 
 ATTENTION = "attention"
+GATED_ATTENTION = "gated_attention"  # the hybrids' attention: an output gate per head, KV only for these layers
+DELTANET = "deltanet"  # Gated DeltaNet, a recurrent mixer with a fixed-size state (engine/arch/deltanet.py)
 DENSE = "dense"
 MOE = "moe"
+MOE_SHARED = "moe_shared"  # routed experts plus a shared expert scaled by a sigmoid gate
 
 
 @dataclass(frozen=True)
@@ -30,6 +34,28 @@ class Experts:
     top_k: int
     width: int
     normalize_weights: bool  # renormalize the top_k routing weights to sum to 1
+    shared_width: int = 0  # of the shared expert ("moe_shared" layers)
+
+
+@dataclass(frozen=True)
+class DeltaNetShape:
+    """The Gated DeltaNet layers' geometry."""
+
+    conv_kernel: int
+    n_k_heads: int  # query and key heads
+    n_v_heads: int  # value heads, and heads of the state
+    head_k_dim: int
+    head_v_dim: int
+    tiled: bool  # value head h reads key head h % n_k_heads (qwen35 files), else h // (n_v / n_k) (qwen3next)
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the convolution: the query, key and value heads."""
+        return 2 * self.n_k_heads * self.head_k_dim + self.value_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.n_v_heads * self.head_v_dim
 
 
 @dataclass(frozen=True)
@@ -59,7 +85,9 @@ class DecoderConfig:
     sliding_window: int = 0
     sliding_layers: tuple[bool, ...] = ()  # True where a layer attends within the window (Gemma 3); () none
     local_rope_base: float = 0.0  # the sliding layers' own rotary base, unscaled
-    experts: Experts | None = None  # for the "moe" FFN
+    experts: Experts | None = None  # for the "moe" and "moe_shared" FFNs
+    deltanet: DeltaNetShape | None = None  # for the "deltanet" mixer
+    ffn_norm: str = "ffn_norm"  # the FFN's input norm tensor (the hybrids name it post_attention_norm)
 
     @property
     def q_dim(self) -> int:
@@ -71,6 +99,18 @@ class DecoderConfig:
 
     def sliding(self, layer: int) -> bool:
         return bool(self.sliding_layers) and self.sliding_layers[layer]
+
+    def slot(self, layer: int) -> int:
+        """The layer's place in its cache: among the recurrent layers for a DeltaNet layer, else among the others
+        (a hybrid model keeps KV entries for its attention layers only)."""
+        recurrent = self.mixer_kinds[layer] == DELTANET
+        return sum((kind == DELTANET) == recurrent for kind in self.mixer_kinds[:layer])
+
+    def recurrent_shape(self) -> DeltaNetShape:
+        """The geometry of the "deltanet" layers, or EngineError where the config has none."""
+        if self.deltanet is None:
+            raise EngineError("The decoder config has Gated DeltaNet layers but no `deltanet` geometry.")
+        return self.deltanet
 
     def moe(self) -> Experts:
         """The experts of the "moe" FFN layers, or EngineError where the config has none."""
@@ -177,6 +217,7 @@ class LayerPart(Protocol):
         """The kind's activation buffers, allocated once per model and shared by its layers."""
         ...
 
-    def run(self, config: DecoderConfig, chunk: Chunk, backend: Backend, cache: KVCache, layer: int) -> None:
-        """From chunk.h to chunk.delta."""
+    def run(self, config: DecoderConfig, chunk: Chunk, backend: Backend, cache: KVCache | RecurrentCache,
+            layer: int) -> None:
+        """From chunk.h to chunk.delta; `cache` is a RecurrentCache in models with DeltaNet layers."""
         ...

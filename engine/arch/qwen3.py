@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from engine.arch.decoder import forward, load_weights, new_workspace
+from engine.arch.decoder import forward, load_weights, new_cache, new_workspace
 from engine.arch.parts import DecoderConfig, read_decoder_config
 from engine.backend import ROPE_NEOX
 from engine.gguf_file import GGUFFile
 
-__all__ = ["read_config", "load_weights", "new_workspace", "forward"]
+__all__ = ["read_config", "load_weights", "new_workspace", "new_cache", "forward"]
 
 
 def read_config(gguf: GGUFFile) -> DecoderConfig:

@@ -7,12 +7,12 @@ from dataclasses import replace
 
 from engine.arch import qwen3
 from engine.arch.common import hparam
-from engine.arch.decoder import forward, load_weights, new_workspace
+from engine.arch.decoder import forward, load_weights, new_cache, new_workspace
 from engine.arch.parts import MOE, DecoderConfig, Experts
 from engine.errors import EngineError
 from engine.gguf_file import GGUFFile
 
-__all__ = ["read_config", "load_weights", "new_workspace", "forward"]
+__all__ = ["read_config", "load_weights", "new_workspace", "new_cache", "forward"]
 
 
 def read_config(gguf: GGUFFile) -> DecoderConfig:
