@@ -76,6 +76,9 @@ class MemoryEstimate(BaseModel):
     gpu_overhead_bytes: int = Field(description="CUDA context and libraries")
     ram_overhead_bytes: int = Field(description="GGUF metadata, tokenizer, and the CUDA driver's host side")
     reclaimable_file_bytes: int = Field(description="file pages read once while loading; counted, not required")
+    ram_expert_bytes_per_token: int = Field(
+        0, description="bytes of the experts kept in RAM that the CPU reads per generated token (gpu+ram)"
+    )
     vram_bytes: int = Field(description="total on the GPU")
     ram_bytes: int = Field(description="total the process grows by in RAM, reclaimable file pages included")
     ram_required_bytes: int = Field(description="RAM that must be available: ram_bytes without reclaimable pages")
@@ -173,6 +176,7 @@ def estimate_memory(
     workspace = workspace_bytes(model, context_length, engine, on_gpu=level != "cpu")
     ram_overhead = _RAM_BASE_BYTES + model.vocab_size * _RAM_PER_VOCAB_TOKEN
     f32 = engine.cpu_weights_dequantized_to_f32
+    ram_expert_read = 0
     if level == "cpu":
         ram_weights = round(model.params_b * 1e9 * 4) if f32 else file_bytes
         gpu_weights = gpu_overhead = 0
@@ -196,6 +200,7 @@ def estimate_memory(
                 ram_weights = round(model.expert_params_b * 1e9 * 4 * share)
             else:
                 ram_weights = round(ram_expert_file_bytes * engine.cpu_bytes_per_file_byte)
+            ram_expert_read = round(ram_weights * model.n_experts_used / model.n_experts)
     state = model.recurrent_state_bytes
     on_gpu = level != "cpu"
     # Every page is read once to upload or repack it; the quantized CPU path is measured at about the file's size.
@@ -214,6 +219,7 @@ def estimate_memory(
         gpu_overhead_bytes=gpu_overhead,
         ram_overhead_bytes=ram_overhead,
         reclaimable_file_bytes=reclaimable,
+        ram_expert_bytes_per_token=ram_expert_read,
         vram_bytes=vram,
         ram_bytes=ram_required + reclaimable,
         ram_required_bytes=ram_required,
@@ -384,7 +390,9 @@ def _why_fits(e: MemoryEstimate, target: int, budget: _Budget, cpu_speed: float,
     elif e.level == "gpu+ram":
         text = (
             f"Runs on the GPU ({budget.gpu_name}) with the experts of {e.expert_layers_in_ram} of its layers in RAM, "
-            f"where the CPU computes them: {gb(e.vram_bytes)} of VRAM and {gb(e.ram_required_bytes)} of RAM with {tokens}"
+            f"where the CPU computes them (reading {gb(e.ram_expert_bytes_per_token)} of them per generated token, "
+            f"so RAM bandwidth sets the speed): {gb(e.vram_bytes)} of VRAM and {gb(e.ram_required_bytes)} of RAM "
+            f"with {tokens}"
         )
     else:
         where = ""

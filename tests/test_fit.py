@@ -101,6 +101,7 @@ def test_experts_split_between_gpu_and_ram():
     assert more.vram_bytes < half.vram_bytes and more.ram_required_bytes > half.ram_required_bytes
     assert more.ram_bytes - more.ram_required_bytes == half.ram_bytes - half.ram_required_bytes  # the file, read once
     assert "(the experts of 24 layers in RAM)" in half.explanation
+    assert half.ram_expert_bytes_per_token == round(half.ram_weights_bytes * 8 / 128)  # 8 of 128 experts a token
 
 
 def test_estimate_refuses_impossible_placements():
