@@ -345,3 +345,22 @@ def test_the_cpu_path_holds_quantized_weights_at_their_file_size():
     assert "weights" in choice.memory.explanation and "float32" not in choice.memory.explanation
     assert "tokens/s" in choice.why
     assert all(a.memory.ram_weights_bytes == a.download_bytes for a in rec.alternatives)
+
+
+def test_start_loads_with_the_fits_placement(monkeypatch, tmp_path):
+    """start's device, context and experts placement come from the same fit as choose_model's, within vram_gb when
+    given; a vram_gb the model cannot fit in is refused with the fit's reason."""
+    from types import SimpleNamespace
+
+    from strata_mcp.runtime import UserError
+    from strata_mcp.tools import start
+
+    monkeypatch.setattr(start, "probe", lambda *args: pc(64, 58, [("RTX 4090", 24, 23.5)]))
+    runtime = SimpleNamespace(store=SimpleNamespace(data_dir=tmp_path))
+    coder = "qwen3-coder-30b-a3b-instruct"
+    assert start._fitted(runtime, coder, start.StartInput(model=coder)) == ("auto", 8192, 0)  # it fits the card
+    device, context, layers = start._fitted(runtime, coder, start.StartInput(model=coder, vram_gb=11.5))
+    assert (device, context) == ("auto", 8192) and layers == 22  # as choose_model's 12 GB card row says
+    monkeypatch.setattr(start, "probe", lambda *args: pc(16, 12, [("RTX 4090", 24, 23.5)]))
+    with pytest.raises(UserError, match="does not fit in 0.5 GB of GPU memory"):
+        start._fitted(runtime, coder, start.StartInput(model=coder, vram_gb=0.5))
