@@ -1,0 +1,82 @@
+"""One MoE layer's experts on the CPU, called from the main thread and from a host node of a captured CUDA graph (as
+the GPU backend calls the experts it keeps in RAM), by thread count: what the decode step pays for running the CPU's
+part inside the graph. Random Q4_K gate/up and Q6_K down experts of Qwen3-30B-A3B's shape, LAYERS copies cycled so
+the weights come from RAM. Needs CuPy and an NVIDIA GPU; one JSON line per measurement. (The 2026-12-02 probe logs
+in bench/results were made by this script's first form, which kept its numbers in the same keys.)
+
+    python bench/bench_host_experts.py [--layers 8] [--threads 16,15,14,12]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import cupy
+import numpy as np
+from gguf import GGMLQuantizationType as T
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.bench_cpu_products import random_blocks  # noqa: E402
+from engine.cpu import experts  # noqa: E402
+from engine.cpu.weights import load  # noqa: E402
+from engine.kernels.host_calls import HostCalls  # noqa: E402
+
+E, F, D, K = 128, 768, 2048, 8
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--threads", default="16,15,14,12")
+    parser.add_argument("--repeats", type=int, default=10)
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+
+    def stacked(qtype: T, rows: int, cols: int):
+        return load("w", random_blocks(qtype, E * rows, cols, rng), qtype, (E, rows, cols))
+
+    t = time.perf_counter()
+    layers = [(stacked(T.Q4_K, F, D), stacked(T.Q4_K, F, D), stacked(T.Q6_K, D, F)) for _ in range(args.layers)]
+    print(json.dumps({"build_s": round(time.perf_counter() - t, 1), "layer_bytes": sum(w.nbytes for w in layers[0])}),
+          flush=True)
+    x = rng.standard_normal((1, D)).astype(np.float32)
+    mix = np.full((1, K), 1 / K, np.float32)
+    out = np.empty((1, D), np.float32)
+    ids = [np.sort(rng.choice(E, K, replace=False)).astype(np.int32)[None] for _ in range(args.layers)]
+    stream, calls = cupy.cuda.Stream(non_blocking=True), HostCalls()
+    for threads in (int(n) for n in args.threads.split(",")):
+        def layer(i: int, threads: int = threads) -> None:
+            experts.moe_ffn(x, *layers[i], ids[i], mix, out, "silu", threads)
+
+        with stream:
+            stream.begin_capture()
+            for i in range(args.layers):
+                calls.launch(stream.ptr, (i, threads), lambda i=i: layer(i))
+            graph = stream.end_capture()
+            graph.launch(stream)
+            stream.synchronize()
+            t = time.perf_counter()
+            for _ in range(args.repeats):
+                graph.launch(stream)
+            stream.synchronize()
+        calls.check()
+        in_graph = (time.perf_counter() - t) / args.repeats / args.layers
+        times = []
+        for r in range(4 * args.layers):
+            t = time.perf_counter()
+            layer(r % args.layers)
+            times.append(time.perf_counter() - t)
+        print(json.dumps({"threads": threads, "host_call_moe_us_per_layer": round(in_graph * 1e6, 1),
+                          "main_thread_moe_us(median,min)": [round(float(np.median(times)) * 1e6, 1),
+                                                             round(min(times) * 1e6, 1)]}), flush=True)
+    calls.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
