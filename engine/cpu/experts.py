@@ -70,4 +70,4 @@ def _one_token(x: np.ndarray, gate: CpuWeight, up: CpuWeight, down: CpuWeight, i
     reference.activate(hidden, activation)
     hidden *= up_out
     products.expert_products(down.planes, products.activation(hidden.reshape(top_k, f)), ids, down_out, True, threads)
-    np.matmul(weights.astype(np.float32), down_out.reshape(top_k, d), out=out)
+    np.matmul(weights, down_out.reshape(top_k, d), out=out)  # weights: float32 (Backend.moe_ffn)

@@ -106,7 +106,9 @@ SPEC = ToolSpec(
         "Load an installed model into the in-process engine (GPU when available, else CPU) and wait up to "
         "wait_seconds, reporting progress; returns 'ready' or 'loading' (call start again to follow a load). "
         "model may be left out only when exactly one model is installed. One model is loaded at a time: stop the "
-        "current one first to switch. Says which backend was chosen and why."
+        "current one first to switch. Says which backend was chosen and why. A mixture of experts that does not fit "
+        "the GPU (or vram_gb) keeps the experts of some layers in RAM, computed by the CPU: the engine status says "
+        "how many (expert_layers_in_ram)."
     ),
     input_model=StartInput,
     output_model=StartOutput,
