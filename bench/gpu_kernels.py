@@ -1,12 +1,13 @@
 """Times the hot GPU kernels on their own (an H200 is what it was written for): the decode matrix-vector
-product per weight type (plain and programmatic launches) and the prompt path's two ways to multiply a chunk
-(our kernel on dequantized tiles, and dequantize + cuBLAS).
+product per weight type (plain and programmatic launches), the prompt path's two ways to multiply a chunk
+(our kernel on dequantized tiles, and dequantize + cuBLAS), and a mixture's experts over a chunk both ways (a
+product per token and expert, and the grouped products).
 
 Prints one JSON line per measurement. Decode launches are captured in a CUDA graph and replayed, rotating over
 enough weight copies that they do not fit in L2, so the time is the kernel's, not Python's or the cache's.
 matvec_shapes also times the kernel shapes the backend never picks (kernel_names.SWEEP_SHAPES): the first launch
 of one builds the sweep copy of matvec.cu that holds them.
-Usage: python bench/gpu_kernels.py [copy] [read] [matvec] [matvec_shapes] [prompt]
+Usage: python bench/gpu_kernels.py [copy] [read] [matvec] [matvec_shapes] [prompt] [moe]
 """
 
 from __future__ import annotations
@@ -168,6 +169,45 @@ def bench_prompt(rng):
                                   "default": "tiles" if K.tiled(x, ws[0], outs[0]) else "dequant_cublas"}), flush=True)
 
 
+# Mixture layers: (n_experts, top_k, hidden, expert width); gate/up Q4_K, down Q6_K as in the Q4_K_M files.
+MOE_SHAPES = {"Qwen3-30B-A3B": (128, 8, 2048, 768), "Qwen3.6-35B-A3B": (256, 8, 2048, 512)}
+
+
+def bench_moe(rng):
+    """One mixture layer's experts over chunks of n tokens (uniform random routing, which spreads the slots evenly;
+    real routing is skewed), eager as the prompt path launches them: a product per (token, expert) against the
+    grouped products. Weight bytes are those of the experts the chunk uses."""
+    from engine import backend_cupy
+    from engine.gguf_file import GGUFTensor
+
+    backend = backend_cupy.CupyBackend()
+    default = backend_cupy.GROUPED_MIN_SLOTS_PER_EXPERT
+    for label, (n_experts, top_k, d, f) in MOE_SHAPES.items():
+        handles = []
+        for name, qtype, shape in (("gate", T.Q4_K, (n_experts, f, d)), ("up", T.Q4_K, (n_experts, f, d)),
+                                   ("down", T.Q6_K, (n_experts, d, f))):
+            raw = random_blocks(qtype, int(np.prod(shape)) // quants.block_layout(qtype)[0], rng, typical=0.05)
+            handles.append(backend.upload(GGUFTensor(name, qtype, shape, raw)))
+        expert_bytes = sum(h.nbytes for h in handles) / n_experts
+        for n in (2, 4, 8, 16, 32, 64, 128, 512, 2048):
+            ids = np.stack([rng.permutation(n_experts)[:top_k] for _ in range(n)]).astype(np.int32)
+            with backend.stream:
+                x = cp.asarray(rng.standard_normal((n, d)).astype(np.float32))
+                dev_ids, weights = cp.asarray(ids), cp.asarray(rng.random((n, top_k)).astype(np.float32))
+                out, scratch = cp.empty((n, d), cp.float32), cp.empty((n, top_k, 2 * f), cp.float32)
+            row = {"kernel": "moe_chunk", "shape": label, "n": n}
+            for form, threshold in (("per_slot", 10**9), ("grouped", 0)):
+                backend_cupy.GROUPED_MIN_SLOTS_PER_EXPERT = threshold
+                with backend.stream:
+                    t = timed_eager(lambda: backend.moe_ffn(x, *handles, dev_ids, weights, out, scratch))
+                row[f"{form}_us"] = round(t * 1e6, 1)
+                row[f"{form}_TFLOP/s"] = round(6.0 * n * top_k * d * f / t / 1e12, 2)
+                row[f"{form}_weights_TB/s"] = round(len(np.unique(ids)) * expert_bytes / t / 1e12, 3)
+            print(json.dumps(row), flush=True)
+    backend_cupy.GROUPED_MIN_SLOTS_PER_EXPERT = default
+    backend.close()
+
+
 def bench_copy():
     a = cp.empty(2**30, cp.uint8)
     b = cp.empty_like(a)
@@ -223,6 +263,8 @@ def main() -> None:
         bench_matvec(rng, every_shape=True)
     if "prompt" in parts:
         bench_prompt(rng)
+    if "moe" in parts:
+        bench_moe(rng)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,10 @@ TOPK_MAX = 1024  # top-k above this (or top_k = 0) sorts the whole vocabulary in
 NO_TOKENS = np.zeros(0, np.int32)
 ID_SLOTS = 4  # sample_feed's pinned slots; two would do for one step queued ahead
 ACTIVATIONS = {"silu": K.ACT_SILU, "gelu_tanh": K.ACT_GELU_TANH}
+# From this many (token, expert) slots an expert on average, a mixture's chunk runs as grouped products (each
+# expert's weights read once a tile of its tokens) instead of a product per slot: on an H200 (bench/gpu_kernels.py
+# moe) the grouped form won from 64 tokens on with 128 experts (4 a expert) and from 128 with 256, lost below.
+GROUPED_MIN_SLOTS_PER_EXPERT = 4
 
 
 def unavailable_reason() -> str | None:
@@ -354,6 +358,9 @@ class CupyBackend:
         n, top_k = ids.shape
         f = gate_exps.shape[1]
         hidden = scratch.reshape(-1)[: n * top_k * f].reshape(n * top_k, f)
+        if ids.size >= GROUPED_MIN_SLOTS_PER_EXPERT * gate_exps.shape[0] and K.grouped(gate_exps, up_exps, down_exps):
+            self._grouped_moe(x, gate_exps, up_exps, down_exps, ids, weights, out, hidden, act)
+            return
         x_q8 = h_q8 = None
         if gate_exps.quantized:
             x_q8 = self._quantized_input(x) if n == 1 else self._q8_scratch(self._buffer, "moe_x", x.size)
@@ -365,6 +372,21 @@ class CupyBackend:
             h_q8 = self._q8_scratch(self._buffer if n > 1 else self._decode_buffer, "moe_hidden", hidden.size)
             K.quantize_q8(hidden, h_q8)
         K.moe_down(down_exps, hidden, h_q8, ids, weights, out)
+
+    def _grouped_moe(self, x, gate: K.GpuWeight, up: K.GpuWeight, down: K.GpuWeight, ids, weights, out, hidden,
+                     act: int) -> None:
+        """A prompt chunk's experts as grouped products: the slots sorted by expert, each expert's weights read once
+        a tile of up to 64 of its slots, the down products' rows summed back per token."""
+        n_experts = gate.shape[0]
+        slots = ids.size
+        order = self._buffer("moe_order", slots, cupy.int32)
+        where = self._buffer("moe_where", slots, cupy.int32)
+        tiles = self._buffer("moe_tiles", 3 * K.grouped_tiles(slots, n_experts), cupy.int32).reshape(-1, 3)
+        y = self._buffer("moe_y", slots * out.shape[1], cupy.float32).reshape(slots, -1)
+        K.moe_group(ids, n_experts, order, where, tiles)
+        K.grouped_matmul_glu(gate, up, x, tiles, order, ids.shape[1], hidden, act)
+        K.grouped_matmul(down, hidden, tiles, y)
+        K.moe_combine(y, where, weights, out)
 
     def _moe_on_host(self, x, gate: CpuWeight, up: CpuWeight, down: CpuWeight, ids, weights, out,
                      activation: str) -> None:

@@ -399,6 +399,48 @@ def matmul_glu(gate: GpuWeight, up: GpuWeight, x: Any, out: Any, act: int) -> No
             i32(k), i32(act)))
 
 
+def grouped(gate: GpuWeight, up: GpuWeight, down: GpuWeight) -> bool:
+    """Whether a mixture's prompt chunk runs as grouped products (moe_group, grouped_matmul_glu, grouped_matmul,
+    moe_combine): quantized experts, gate and up of one type, a GPU with mma.sync, even row counts for the paired
+    stores."""
+    return (gate.quantized and down.quantized and gate.qtype == up.qtype and _mma_capable()
+            and gate.shape[1] % 2 == 0 and down.shape[1] % 2 == 0)
+
+
+def grouped_tiles(n_slots: int, n_experts: int) -> int:
+    """Rows of moe_group's tile table: enough for any routing (each used expert adds at most one partial tile)."""
+    return n_slots // MM_TOKENS + min(n_experts, n_slots)
+
+
+def moe_group(ids: Any, n_experts: int, order: Any, where: Any, tiles: Any) -> None:
+    """Sort a chunk's slots (ids (n, top_k)) by expert: order[pos] = slot, where[slot] = pos, tiles (rows, 3)."""
+    launch("matmul", "moe_group", (1,), (1024,), (ids, i32(ids.size), i32(n_experts), i32(tiles.shape[0]), order,
+                                                   where, tiles), shared_mem=8 * n_experts)
+
+
+def grouped_matmul_glu(gate: GpuWeight, up: GpuWeight, x: Any, tiles: Any, order: Any, top_k: int, out: Any,
+                       act: int) -> None:
+    """out (n_slots, f), sorted slot pos = act(gate_e . x[token]) * (up_e . x[token]), slot order[pos] =
+    token * top_k + j routed to expert e; gate, up stacked (n_experts, f, k)."""
+    _, f, k = gate.shape
+    launch("matmul", N.typed("grouped_matmul_glu", gate.qtype), (_blocks(f, MM_ROWS // 2), tiles.shape[0]), (128,),
+           (*gate.args(), *up.args(), x, out, tiles, order, i32(top_k), i32(f), i32(k), i32(act)))
+
+
+def grouped_matmul(w: GpuWeight, x: Any, tiles: Any, out: Any) -> None:
+    """out (n_slots, m) = w_e . x[pos] for each sorted row pos of expert e; w stacked (n_experts, m, k)."""
+    _, m, k = w.shape
+    launch("matmul", N.typed("grouped_matmul", w.qtype), (_blocks(m, MM_ROWS), tiles.shape[0]), (128,),
+           (*w.args(), x, out, tiles, i32(m), i32(k)))
+
+
+def moe_combine(y: Any, where: Any, weights: Any, out: Any) -> None:
+    """out (n, d) = sum_j weights[:, j] * y[where[token * top_k + j]]."""
+    n, d = out.shape
+    launch("matmul", "moe_combine", (_blocks(n * d, 256),), (256,), (y, where, weights, i32(n), i32(weights.shape[1]),
+                                                                     i32(d), out))
+
+
 _ONE, _ZERO = np.array(1.0, np.float32), np.array(0.0, np.float32)
 
 

@@ -26,6 +26,8 @@ PER_TYPE = {
     "moe_down": ("matvec", ALL_TYPES),
     "matmul": ("matmul", QUANT_TYPES),
     "matmul_glu": ("matmul", QUANT_TYPES),
+    "grouped_matmul": ("matmul", QUANT_TYPES),
+    "grouped_matmul_glu": ("matmul", QUANT_TYPES),
 }
 # Quantized decode products of matvec.cu by kernel shape: kind -> (warps per row set, rows per set).
 SHAPES = {"matvec": ((1, 1), (2, 1), (1, 2), (2, 2)), "matvec_glu": ((1, 1), (2, 1), (1, 2))}

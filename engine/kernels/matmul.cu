@@ -7,6 +7,11 @@
 // tile; four warps each compute 32 tokens x 32 tile rows. The gate/up variant loads 16 gate rows, then the same
 // 16 up rows, in each warp's 32 tile rows, so one thread holds gate and up of the same output and applies the
 // activation before storing: a block there covers MM_ROWS / 2 outputs.
+//
+// Grouped form (a mixture's prompt chunk): the chunk's (token, expert) slots sorted by expert (moe_group), each
+// block one tile of up to MM_TOKENS sorted slots of one expert, so an expert's weights are read once a tile, not
+// once a slot. Its activation rows are gathered (gate/up read the token's row of x) or the sorted rows themselves
+// (down reads the hidden rows gate/up wrote in sorted order); outputs are written in sorted order.
 
 constexpr int MM_TOKENS = 64, MM_ROWS = 64, MM_K = 64;
 constexpr int MM_LD = MM_K + 8;  // padded row (144 bytes): ldmatrix's eight row addresses hit distinct banks
@@ -41,11 +46,21 @@ __device__ __forceinline__ int tile_row(int bx, int j, int& which) {
     return bx * (MM_ROWS / 2) + (j >> 5) * 16 + (j & 15);
 }
 
+// Where a block's tile reads and writes: x row of tile token t = xrow[t] (t < count), output row out0 + t, and the
+// first row of the weight (an expert's, in a stacked tensor).
+struct Tile {
+    const int* xrow;  // shared memory, MM_TOKENS entries
+    int count;
+    long out0;
+    long w0;
+};
+
 // One K step's tiles into shared memory: 128 threads each dequantize one group of 32 weights (tile row t / 2,
 // group t % 2 of the step) and convert 32 activations (eight float4 loads, two rows of 256 bytes a warp load).
 template <class B, bool GLU>
 __device__ __forceinline__ void load_tiles(const Planes& p0, const Planes& p1, const float* __restrict__ x, long ldx,
-                                           int n, int m, int k, int kt, u16 (*ws)[MM_LD], u16 (*xs)[MM_LD]) {
+                                           const Tile& tile, int m, int k, int kt, u16 (*ws)[MM_LD],
+                                           u16 (*xs)[MM_LD]) {
     const int t = threadIdx.x;
     const int j = t >> 1, half = t & 1;
     const int g = kt * (MM_K / 32) + half;
@@ -57,7 +72,7 @@ __device__ __forceinline__ void load_tiles(const Planes& p0, const Planes& p1, c
         float sc[2], mn;
         // Field by field: a selected struct would go through local memory.
         const Planes p{which ? p1.q : p0.q, which ? p1.h : p0.h, which ? p1.s : p0.s, which ? p1.d : p0.d};
-        decode_group<B>(p, row, k, g, q, sc, mn);
+        decode_group<B>(p, tile.w0 + row, k, g, q, sc, mn);
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
             u32 u[4];
@@ -78,16 +93,16 @@ __device__ __forceinline__ void load_tiles(const Planes& p0, const Planes& p1, c
     for (int i = 0; i < MM_TOKENS * MM_K / 4 / 128; ++i) {
         const int f = i * 128 + t;
         const int tok = f / (MM_K / 4), col = 4 * (f % (MM_K / 4));
-        const int token = blockIdx.y * MM_TOKENS + tok, kk = kt * MM_K + col;
+        const int kk = kt * MM_K + col;
         float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (token < n && kk < k) v = __ldg(reinterpret_cast<const float4*>(x + token * ldx + kk));
+        if (tok < tile.count && kk < k) v = __ldg(reinterpret_cast<const float4*>(x + tile.xrow[tok] * ldx + kk));
         *reinterpret_cast<uint2*>(&xs[tok][col]) = make_uint2(pack_h2(v.x, v.y), pack_h2(v.z, v.w));
     }
 }
 
 template <class B, bool GLU>
 __device__ __forceinline__ void matmul_q(const Planes& p0, const Planes& p1, const float* __restrict__ x, long ldx,
-                                         float* __restrict__ out, long ldo, int n, int m, int k, int act) {
+                                         float* __restrict__ out, long ldo, const Tile& tile, int m, int k, int act) {
     __shared__ __align__(16) u16 ws[2][MM_ROWS][MM_LD];
     __shared__ __align__(16) u16 xs[2][MM_TOKENS][MM_LD];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -98,7 +113,7 @@ __device__ __forceinline__ void matmul_q(const Planes& p0, const Planes& p1, con
         // Two buffers, one barrier a step: a warp writing buffer b has passed step kt - 1's barrier, which every
         // warp reaches only after its products on b in step kt - 2.
         const int b = kt & 1;
-        load_tiles<B, GLU>(p0, p1, x, ldx, n, m, k, kt, ws[b], xs[b]);
+        load_tiles<B, GLU>(p0, p1, x, ldx, tile, m, k, kt, ws[b], xs[b]);
         __syncthreads();
 #pragma unroll
         for (int ks = 0; ks < MM_K / 16; ++ks) {
@@ -120,8 +135,8 @@ __device__ __forceinline__ void matmul_q(const Planes& p0, const Planes& p1, con
     for (int mi = 0; mi < 2; ++mi)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const int token = blockIdx.y * MM_TOKENS + wm * 32 + mi * 16 + (lane >> 2) + 8 * h;
-            if (token >= n) continue;
+            const int t = wm * 32 + mi * 16 + (lane >> 2) + 8 * h;
+            if (t >= tile.count) continue;
 #pragma unroll
             for (int nb = 0; nb < (GLU ? 2 : 4); ++nb) {
                 int which;
@@ -132,9 +147,31 @@ __device__ __forceinline__ void matmul_q(const Planes& p0, const Planes& p1, con
                     v.x = activate(v.x, act) * acc[mi][nb + 2][2 * h];
                     v.y = activate(v.y, act) * acc[mi][nb + 2][2 * h + 1];
                 }
-                *reinterpret_cast<float2*>(out + token * ldo + row) = v;
+                *reinterpret_cast<float2*>(out + (tile.out0 + t) * ldo + row) = v;
             }
         }
+}
+
+// The dense form's tile: tokens blockIdx.y * MM_TOKENS.. of x and out.
+__device__ __forceinline__ Tile dense_tile(int* xrow, int n) {
+    const int first = blockIdx.y * MM_TOKENS;
+    if (threadIdx.x < MM_TOKENS) xrow[threadIdx.x] = first + threadIdx.x;
+    __syncthreads();
+    return Tile{xrow, min(MM_TOKENS, n - first), first, 0};
+}
+
+// The grouped form's tile blockIdx.y of the table moe_group wrote ({expert, first sorted position, end}; expert -1
+// past the last tile): gathered rows order[pos] / top_k of x, or the sorted rows themselves when top_k is 0.
+__device__ __forceinline__ bool grouped_tile(int* xrow, const int* __restrict__ tiles, const int* __restrict__ order,
+                                             int top_k, int m, Tile& tile) {
+    const int* entry = tiles + 3 * blockIdx.y;
+    const int expert = __ldg(entry), first = __ldg(entry + 1);
+    if (expert < 0) return false;
+    const int pos = first + threadIdx.x;
+    if (threadIdx.x < MM_TOKENS) xrow[threadIdx.x] = top_k ? __ldg(order + min(pos, __ldg(entry + 2) - 1)) / top_k : pos;
+    __syncthreads();
+    tile = Tile{xrow, __ldg(entry + 2) - first, first, (long)expert * m};
+    return true;
 }
 
 #define MATMUL_Q(name, B)                                                                                          \
@@ -142,13 +179,91 @@ __device__ __forceinline__ void matmul_q(const Planes& p0, const Planes& p1, con
         const u8* q, const u8* h, const u8* s, const u8* d, const float* x, long ldx, float* out, long ldo, int n, \
         int m, int k) {                                                                                            \
         grid_dependency_sync();                                                                                    \
+        __shared__ int xrow[MM_TOKENS];                                                                            \
         const Planes p{q, h, s, d};                                                                                \
-        matmul_q<B, false>(p, p, x, ldx, out, ldo, n, m, k, 0);                                                    \
+        matmul_q<B, false>(p, p, x, ldx, out, ldo, dense_tile(xrow, n), m, k, 0);                                  \
     }                                                                                                              \
     extern "C" __global__ void __launch_bounds__(128) matmul_glu_##name(                                           \
         const u8* gq, const u8* gh, const u8* gs, const u8* gd, const u8* uq, const u8* uh, const u8* us,           \
         const u8* ud, const float* x, long ldx, float* out, long ldo, int n, int m, int k, int act) {              \
         grid_dependency_sync();                                                                                    \
-        matmul_q<B, true>(Planes{gq, gh, gs, gd}, Planes{uq, uh, us, ud}, x, ldx, out, ldo, n, m, k, act);         \
+        __shared__ int xrow[MM_TOKENS];                                                                            \
+        matmul_q<B, true>(Planes{gq, gh, gs, gd}, Planes{uq, uh, us, ud}, x, ldx, out, ldo, dense_tile(xrow, n), m, \
+                          k, act);                                                                                 \
+    }                                                                                                              \
+    extern "C" __global__ void __launch_bounds__(128) grouped_matmul_##name(                                       \
+        const u8* q, const u8* h, const u8* s, const u8* d, const float* x, float* out, const int* tiles, int m,   \
+        int k) {                                                                                                   \
+        grid_dependency_sync();                                                                                    \
+        __shared__ int xrow[MM_TOKENS];                                                                            \
+        Tile tile;                                                                                                 \
+        if (!grouped_tile(xrow, tiles, nullptr, 0, m, tile)) return;                                               \
+        const Planes p{q, h, s, d};                                                                                \
+        matmul_q<B, false>(p, p, x, k, out, m, tile, m, k, 0);                                                     \
+    }                                                                                                              \
+    extern "C" __global__ void __launch_bounds__(128) grouped_matmul_glu_##name(                                   \
+        const u8* gq, const u8* gh, const u8* gs, const u8* gd, const u8* uq, const u8* uh, const u8* us,           \
+        const u8* ud, const float* x, float* out, const int* tiles, const int* order, int top_k, int m, int k,     \
+        int act) {                                                                                                 \
+        grid_dependency_sync();                                                                                    \
+        __shared__ int xrow[MM_TOKENS];                                                                            \
+        Tile tile;                                                                                                 \
+        if (!grouped_tile(xrow, tiles, order, top_k, m, tile)) return;                                             \
+        matmul_q<B, true>(Planes{gq, gh, gs, gd}, Planes{uq, uh, us, ud}, x, k, out, m, tile, m, k, act);          \
     }
 FOR_EACH_QUANT(MATMUL_Q)
+
+// A mixture's chunk sorted by expert, for the grouped products; one block. ids (n_slots,) = the chosen expert of
+// each slot (token * top_k + j). Writes order[pos] = the slot at sorted position pos, where[slot] = its position,
+// and tiles (max_tiles, 3) = {expert, first position, end} for each run of up to MM_TOKENS positions of one expert,
+// the rest {-1, 0, 0}. Slots of one expert keep no fixed order among themselves; each output row is computed
+// alone, so the results do not depend on it.
+extern "C" __global__ void moe_group(const int* __restrict__ ids, int n_slots, int n_experts, int max_tiles,
+                                     int* __restrict__ order, int* __restrict__ where, int* __restrict__ tiles) {
+    grid_dependency_sync();
+    extern __shared__ int shared_counts[];
+    int* count = shared_counts;         // slots an expert holds, then a cursor while placing them
+    int* start = count + n_experts;     // its first sorted position
+    for (int e = threadIdx.x; e < n_experts; e += blockDim.x) count[e] = 0;
+    __syncthreads();
+    for (int s = threadIdx.x; s < n_slots; s += blockDim.x) atomicAdd(&count[min(max(ids[s], 0), n_experts - 1)], 1);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int pos = 0, tile = 0;
+        for (int e = 0; e < n_experts; ++e) {
+            start[e] = pos;
+            for (int first = pos; first < pos + count[e] && tile < max_tiles; first += MM_TOKENS, ++tile) {
+                tiles[3 * tile] = e;
+                tiles[3 * tile + 1] = first;
+                tiles[3 * tile + 2] = min(first + MM_TOKENS, pos + count[e]);
+            }
+            pos += count[e];
+            count[e] = 0;
+        }
+        for (; tile < max_tiles; ++tile) {
+            tiles[3 * tile] = -1;
+            tiles[3 * tile + 1] = tiles[3 * tile + 2] = 0;
+        }
+    }
+    __syncthreads();
+    for (int s = threadIdx.x; s < n_slots; s += blockDim.x) {
+        const int e = min(max(ids[s], 0), n_experts - 1);
+        const int pos = start[e] + atomicAdd(&count[e], 1);
+        order[pos] = s;
+        where[s] = pos;
+    }
+}
+
+// out (n, d) = sum_j weights[t, j] * y[where[t * top_k + j]]: the down products' sorted rows summed back per token
+// in the slots' order.
+extern "C" __global__ void moe_combine(const float* __restrict__ y, const int* __restrict__ where,
+                                       const float* __restrict__ weights, int n, int top_k, int d,
+                                       float* __restrict__ out) {
+    grid_dependency_sync();
+    const long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long)n * d) return;
+    const long t = i / d, c = i % d;
+    float total = 0.0f;
+    for (int j = 0; j < top_k; ++j) total += weights[t * top_k + j] * y[(long)where[t * top_k + j] * d + c];
+    out[i] = total;
+}
