@@ -23,6 +23,7 @@ import numpy as np
 from engine import quants
 from engine.backend import ROPE_NEOX, ROPE_NORMAL, KVCache, MemoryInUse, RopeTable, SamplingParams
 from engine.capabilities import DEQUANT_SCRATCH_ELEMENTS, GPU_KV_DTYPE, HOST_EXPERT_THREADS, MIN_COMPUTE_CAPABILITY
+from engine import expert_stream
 from engine.cpu import experts as cpu_experts
 from engine.cpu.weights import CpuWeight
 from engine.cpu.weights import load as load_host_weight
@@ -41,6 +42,9 @@ ACTIVATIONS = {"silu": K.ACT_SILU, "gelu_tanh": K.ACT_GELU_TANH}
 # expert's weights read once a tile of its tokens) instead of a product per slot: on an H200 (bench/gpu_kernels.py
 # moe) the grouped form won from 64 tokens on with 128 experts (4 a expert) and from 128 with 256, lost below.
 GROUPED_MIN_SLOTS_PER_EXPERT = 4
+# From this many tokens on, a chunk copies the experts a layer keeps in RAM to the GPU and computes them there; below,
+# the CPU computes them where they are.
+STREAM_MIN_TOKENS = 32
 
 
 def unavailable_reason() -> str | None:
@@ -113,6 +117,7 @@ class CupyBackend:
         self._host_calls: HostCalls | None = None  # made when a layer's experts are placed in RAM
         self._host_weights: list[CpuWeight] = []
         self._host_stage: dict[str, np.ndarray] = {}  # pinned: one token's expert input and output
+        self._expert_stream: expert_stream.ExpertStream | None = None  # made with a chunk's first streamed layer
         self._closed = False
 
     # ---- memory ----
@@ -189,6 +194,9 @@ class CupyBackend:
             weight = load_host_weight(tensor.name, tensor.raw, tensor.qtype, shape)
         except (quants.UnsupportedTensorType, quants.TensorSizeError) as exc:
             raise EngineError(f"Tensor {tensor.name} cannot be kept in RAM for the CPU: {exc}.") from None
+        if weight.planes is not None:
+            weight.planes = expert_stream.pin(weight.planes)  # the packed arrays go free here
+            expert_stream.return_freed_heap()
         if self._host_calls is None:
             self._host_calls = HostCalls()
         self._host_weights.append(weight)
@@ -245,6 +253,7 @@ class CupyBackend:
         self._id_slots = None
         self._host_weights.clear()
         self._host_stage.clear()
+        self._expert_stream = None
         if self._host_calls is not None:
             self._host_calls.close()
         gc.collect()  # arrays kept alive only by reference cycles go back to the pool before it is emptied
@@ -343,21 +352,25 @@ class CupyBackend:
     @_op("out", "scratch")
     def moe_ffn(self, x, gate_exps: K.GpuWeight | CpuWeight, up_exps: K.GpuWeight | CpuWeight,
                 down_exps: K.GpuWeight | CpuWeight, ids, weights, out, scratch, activation: str = "silu") -> None:
-        if isinstance(gate_exps, CpuWeight):
-            self._moe_on_host(x, gate_exps, up_exps, down_exps, ids, weights, out, activation)
-            return
         act = ACTIVATIONS.get(activation)
         if act is None:
             raise EngineError(f"The activation {activation!r} is not supported on the GPU (silu, gelu_tanh).")
+        n, top_k = ids.shape
+        f = gate_exps.shape[1]
+        hidden = scratch.reshape(-1)[: n * top_k * f].reshape(n * top_k, f)
+        if isinstance(gate_exps, CpuWeight):
+            layer = (gate_exps, up_exps, down_exps)
+            if n >= STREAM_MIN_TOKENS and K.mma_capable() and expert_stream.streamable(layer):
+                self._streamed_moe(x, layer, ids, weights, out, hidden, act)
+            else:
+                self._moe_on_host(x, *layer, ids, weights, out, activation)
+            return
         if gate_exps.qtype != up_exps.qtype:
             raise EngineError(
                 f"The expert tensors {gate_exps.name} ({gate_exps.qtype.name}) and {up_exps.name} "
                 f"({up_exps.qtype.name}) differ in type, which the GPU backend cannot pair. Run this model on the "
                 "CPU with device='cpu'."
             )
-        n, top_k = ids.shape
-        f = gate_exps.shape[1]
-        hidden = scratch.reshape(-1)[: n * top_k * f].reshape(n * top_k, f)
         if ids.size >= GROUPED_MIN_SLOTS_PER_EXPERT * gate_exps.shape[0] and K.grouped(gate_exps, up_exps, down_exps):
             self._grouped_moe(x, gate_exps, up_exps, down_exps, ids, weights, out, hidden, act)
             return
@@ -387,6 +400,18 @@ class CupyBackend:
         K.grouped_matmul_glu(gate, up, x, tiles, order, ids.shape[1], hidden, act)
         K.grouped_matmul(down, hidden, tiles, y)
         K.moe_combine(y, where, weights, out)
+
+    def _streamed_moe(self, x, layer: tuple[CpuWeight, CpuWeight, CpuWeight], ids, weights, out, hidden,
+                      act: int) -> None:
+        """A chunk's experts of a layer kept in RAM, copied to the GPU (engine/expert_stream.py) and computed there as
+        grouped products; the next such layer's copy starts as soon as these kernels are done."""
+        if self._expert_stream is None:
+            self._expert_stream = expert_stream.ExpertStream(self._host_weights)
+        gate, up, down = self._expert_stream.take(layer, self.stream)
+        self._grouped_moe(x, gate, up, down, ids, weights, out, hidden, act)
+        last = max(i for i, w in enumerate(self._host_weights) if any(w is mine for mine in layer))
+        following = self._host_weights[last + 1 : last + 4]  # the next layer's experts: uploaded a layer at a time
+        self._expert_stream.done(self.stream, following if len(following) == 3 else None)
 
     def _moe_on_host(self, x, gate: CpuWeight, up: CpuWeight, down: CpuWeight, ids, weights, out,
                      activation: str) -> None:

@@ -9,7 +9,8 @@ rule of thumb:
   drop them, so they are reported and not required.
 - A mixture of experts can keep its dense part and the experts of some layers on the GPU and the experts of the
   other layers in RAM, where the CPU computes them ("gpu+ram"), when the engine says it can; in RAM those experts
-  take the CPU layout's bytes (the profile's cpu_bytes_per_file_byte: 4/3 of a Q4_K file's).
+  take the CPU layout's bytes (the profile's cpu_bytes_per_file_byte: 4/3 of a Q4_K file's), and the GPU keeps a
+  buffer that one such layer's experts are copied into when a long prompt chunk computes them there.
 """
 
 from __future__ import annotations
@@ -78,6 +79,9 @@ class MemoryEstimate(BaseModel):
     reclaimable_file_bytes: int = Field(description="file pages read once while loading; counted, not required")
     ram_expert_bytes_per_token: int = Field(
         0, description="bytes of the experts kept in RAM that the CPU reads per generated token (gpu+ram)"
+    )
+    expert_staging_bytes: int = Field(
+        0, description="GPU buffer a long prompt chunk copies one RAM layer's experts into (gpu+ram)"
     )
     vram_bytes: int = Field(description="total on the GPU")
     ram_bytes: int = Field(description="total the process grows by in RAM, reclaimable file pages included")
@@ -176,7 +180,7 @@ def estimate_memory(
     workspace = workspace_bytes(model, context_length, engine, on_gpu=level != "cpu")
     ram_overhead = _RAM_BASE_BYTES + model.vocab_size * _RAM_PER_VOCAB_TOKEN
     f32 = engine.cpu_weights_dequantized_to_f32
-    ram_expert_read = 0
+    ram_expert_read = staging = 0
     if level == "cpu":
         ram_weights = round(model.params_b * 1e9 * 4) if f32 else file_bytes
         gpu_weights = gpu_overhead = 0
@@ -201,11 +205,12 @@ def estimate_memory(
             else:
                 ram_weights = round(ram_expert_file_bytes * engine.cpu_bytes_per_file_byte)
             ram_expert_read = round(ram_weights * model.n_experts_used / model.n_experts)
+            staging = round(ram_expert_file_bytes * engine.cpu_bytes_per_file_byte / expert_layers_in_ram)
     state = model.recurrent_state_bytes
     on_gpu = level != "cpu"
     # Every page is read once to upload or repack it; the quantized CPU path is measured at about the file's size.
     reclaimable = 0 if level == "cpu" and not f32 else file_bytes
-    vram = gpu_weights + gpu_overhead + ((kv + state + workspace) if on_gpu else 0)
+    vram = gpu_weights + gpu_overhead + staging + ((kv + state + workspace) if on_gpu else 0)
     ram_required = ram_weights + ram_overhead + (0 if on_gpu else kv + state + workspace)
     estimate = MemoryEstimate(
         level=level,
@@ -220,6 +225,7 @@ def estimate_memory(
         ram_overhead_bytes=ram_overhead,
         reclaimable_file_bytes=reclaimable,
         ram_expert_bytes_per_token=ram_expert_read,
+        expert_staging_bytes=staging,
         vram_bytes=vram,
         ram_bytes=ram_required + reclaimable,
         ram_required_bytes=ram_required,
@@ -244,7 +250,8 @@ def _explain(e: MemoryEstimate, f32: bool) -> str:
         )
     experts = ""
     if e.level == "gpu+ram":
-        experts = f" (the experts of {e.expert_layers_in_ram} layers in RAM)"
+        experts = (f" (the experts of {e.expert_layers_in_ram} layers in RAM) + a long prompt's copy of one such "
+                   f"layer's experts {gb(e.expert_staging_bytes)}")
     ram_part = f"RAM: {gb(e.ram_required_bytes)}"
     if e.ram_weights_bytes:
         ram_part += f", of which {gb(e.ram_weights_bytes)} are the experts the CPU computes"

@@ -171,9 +171,9 @@ TABLE = [
     ("12 GB card, RAM override 8 GB", pc(128, 120, [("RTX 3060", 12, 11.5)]), "code", MOE_F32,
      {"ram_bytes_override": 8 * GIB}, ("qwen3-14b", "gpu", 8192, ["Runs on the GPU (RTX 3060)"])),
     ("12 GB card, 128 GB RAM, float32 experts in RAM", pc(128, 120, [("RTX 3060", 12, 11.5)]), "code", MOE_F32, {},
-     ("qwen3-coder-30b-a3b-instruct", "gpu+ram", 8192, ["with the experts of 22 of its layers in RAM"])),
+     ("qwen3-coder-30b-a3b-instruct", "gpu+ram", 8192, ["with the experts of 23 of its layers in RAM"])),
     ("8 GB card, 32 GB RAM, quantized experts in RAM", pc(32, 26, [("RTX 4060", 8, 7.5)]), "code", MOE_QUANT, {},
-     ("qwen3-coder-30b-a3b-instruct", "gpu+ram", 8192, ["with the experts of 34 of its layers in RAM"])),
+     ("qwen3-coder-30b-a3b-instruct", "gpu+ram", 8192, ["with the experts of 35 of its layers in RAM"])),
 ]
 
 
@@ -360,7 +360,7 @@ def test_start_loads_with_the_fits_placement(monkeypatch, tmp_path):
     coder = "qwen3-coder-30b-a3b-instruct"
     assert start._fitted(runtime, coder, start.StartInput(model=coder)) == ("auto", 8192, 0)  # it fits the card
     device, context, layers = start._fitted(runtime, coder, start.StartInput(model=coder, vram_gb=11.5))
-    assert (device, context) == ("auto", 8192) and layers == 22  # as choose_model's 12 GB card row says
+    assert (device, context) == ("auto", 8192) and layers == 23  # as choose_model's 12 GB card row says
     monkeypatch.setattr(start, "probe", lambda *args: pc(16, 12, [("RTX 4090", 24, 23.5)]))
     with pytest.raises(UserError, match="does not fit in 0.5 GB of GPU memory"):
         start._fitted(runtime, coder, start.StartInput(model=coder, vram_gb=0.5))

@@ -24,7 +24,7 @@ from engine.kernels.gpu_layout import random_blocks
 cp = require_gpu()
 pytestmark = pytest.mark.gpu
 
-from engine.backend_cupy import GROUPED_MIN_SLOTS_PER_EXPERT, CupyBackend  # noqa: E402  (needs CuPy)
+from engine.backend_cupy import GROUPED_MIN_SLOTS_PER_EXPERT, STREAM_MIN_TOKENS, CupyBackend  # noqa: E402
 
 
 def rel(a, b) -> float:
@@ -108,6 +108,36 @@ def test_moe_ffn(gate_type, down_type, n, routing):
     error = rel(backend.to_host(out), want)
     print(f"{gate_type.name}/{down_type.name} n={n}{' grouped' if grouped else ''}: relative error {error:.2e}")
     assert error < (2e-3 if grouped else 1e-4 if quantized else 1e-5)
+    backend.close()
+
+
+@pytest.mark.parametrize("gate_type,down_type", MIXES[:3], ids=lambda t: t.name)
+def test_moe_ffn_of_experts_in_ram_streamed_to_the_gpu(gate_type, down_type):
+    """Experts kept in RAM in the CPU kernels' layout: a chunk of STREAM_MIN_TOKENS or more copies each layer's to the
+    GPU, where the grouped products read that layout (every layout: 4-bit, 5-bit, Q6_K and Q8_0 planes); two layers
+    in turn, so the second is the prefetched copy and the first is copied again into the same buffer."""
+    rng = np.random.default_rng()
+    backend = CupyBackend()
+    n_experts, top_k, f, d, n = 16, 4, 512, 768, max(100, STREAM_MIN_TOKENS)
+    layers = []
+    for _ in range(2):
+        gate, gate_f = stacked("gate_exps", gate_type, (n_experts, f, d), rng)
+        up, up_f = stacked("up_exps", gate_type, (n_experts, f, d), rng)
+        down, down_f = stacked("down_exps", down_type, (n_experts, d, f), rng)
+        layers.append(([backend.upload(t, host=True) for t in (gate, up, down)], (gate_f, up_f, down_f)))
+    for handles, floats in layers + layers[:1]:
+        x = rng.standard_normal((n, d)).astype(np.float32)
+        ids, weights = skewed_routes(n, n_experts, top_k, rng)
+        with backend.stream:
+            out = cp.full((n, d), np.nan, cp.float32)
+            scratch = cp.full((n, top_k, 2 * f), np.nan, cp.float32)
+            args = [cp.asarray(a) for a in (x, ids, weights)]
+        backend.moe_ffn(args[0], *handles, *args[1:], out, scratch)
+        want = np.empty((n, d), np.float32)
+        reference.moe_ffn(x, *floats, ids, weights, want, None)
+        error = rel(backend.to_host(out), want)
+        print(f"{gate_type.name}/{down_type.name} n={n} streamed from RAM: relative error {error:.2e}")
+        assert error < 2e-3
     backend.close()
 
 

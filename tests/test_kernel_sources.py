@@ -102,6 +102,7 @@ N = kernel_names
 # One name of each kernel_names function's making, from the kind a call in cuda.py passes (if it takes one).
 SAMPLE = {
     "typed": lambda kind: N.typed(kind, N.PER_TYPE[kind][1][0]),
+    "grouped": lambda kind: N.grouped(kind, N.HOST_LAYOUTS[0]),
     "shaped": lambda kind: N.shaped(kind, N.QUANT_TYPES[0], N.SHAPES[kind][0]),
     "per_head_dim": lambda kind: N.per_head_dim(kind, N.HEAD_DIMS[0]),
     "per_group": lambda kind: N.per_group(kind, N.HEAD_DIMS[0], 4),
@@ -121,7 +122,7 @@ def test_cuda_py_builds_kernel_names_only_through_kernel_names():
     built = N.built(90)
     calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
              and getattr(n.func.value, "id", "") == "N" and n.func.attr in SAMPLE]
-    assert len(calls) >= 13
+    assert len(calls) >= 15
     for call in calls:
         kind = [a.value for a in call.args[:1] if isinstance(a, ast.Constant)]
         name = SAMPLE[call.func.attr](*kind)  # a kind that the data lacks raises here

@@ -373,12 +373,12 @@ def tiled(x: Any, w: GpuWeight, out: Any) -> bool:
     arithmetic, bound it (on larger ones cuBLAS's kernels are faster than ours and the dequantization is cheap
     beside them), and the row alignment of its vector loads and stores."""
     m, k = w.shape
-    return (w.quantized and m * k <= TILES_MAX_WEIGHTS and m % 2 == 0 and _mma_capable()
+    return (w.quantized and m * k <= TILES_MAX_WEIGHTS and m % 2 == 0 and mma_capable()
             and x.strides[1] == 4 and x.strides[0] % 16 == 0 and x.data.ptr % 16 == 0
             and out.strides[1] == 4 and out.strides[0] % 8 == 0 and out.data.ptr % 8 == 0)
 
 
-def _mma_capable() -> bool:
+def mma_capable() -> bool:
     return _capability() >= 80
 
 
@@ -403,7 +403,7 @@ def grouped(gate: GpuWeight, up: GpuWeight, down: GpuWeight) -> bool:
     """Whether a mixture's prompt chunk runs as grouped products (moe_group, grouped_matmul_glu, grouped_matmul,
     moe_combine): quantized experts, gate and up of one type, a GPU with mma.sync, even row counts for the paired
     stores."""
-    return (gate.quantized and down.quantized and gate.qtype == up.qtype and _mma_capable()
+    return (gate.quantized and down.quantized and gate.qtype == up.qtype and mma_capable()
             and gate.shape[1] % 2 == 0 and down.shape[1] % 2 == 0)
 
 
@@ -418,19 +418,32 @@ def moe_group(ids: Any, n_experts: int, order: Any, where: Any, tiles: Any) -> N
                                                    where, tiles), shared_mem=8 * n_experts)
 
 
-def grouped_matmul_glu(gate: GpuWeight, up: GpuWeight, x: Any, tiles: Any, order: Any, top_k: int, out: Any,
-                       act: int) -> None:
+@dataclass
+class StagedWeight:
+    """Stacked experts in the CPU kernels' layout copied to device memory for a prompt chunk (engine/expert_stream.py);
+    the grouped products read them as they read a GpuWeight."""
+
+    shape: tuple[int, ...]
+    suffix: str  # one of kernel_names.HOST_LAYOUTS
+    planes: tuple[Any, Any, Any, Any]  # device addresses (np.uintp) of the q, h, s, d planes
+
+    def args(self) -> tuple[Any, ...]:
+        return self.planes
+
+
+def grouped_matmul_glu(gate: GpuWeight | StagedWeight, up: GpuWeight | StagedWeight, x: Any, tiles: Any, order: Any,
+                       top_k: int, out: Any, act: int) -> None:
     """out (n_slots, f), sorted slot pos = act(gate_e . x[token]) * (up_e . x[token]), slot order[pos] =
     token * top_k + j routed to expert e; gate, up stacked (n_experts, f, k)."""
     _, f, k = gate.shape
-    launch("matmul", N.typed("grouped_matmul_glu", gate.qtype), (_blocks(f, MM_ROWS // 2), tiles.shape[0]), (128,),
+    launch("matmul", N.grouped("grouped_matmul_glu", gate.suffix), (_blocks(f, MM_ROWS // 2), tiles.shape[0]), (128,),
            (*gate.args(), *up.args(), x, out, tiles, order, i32(top_k), i32(f), i32(k), i32(act)))
 
 
-def grouped_matmul(w: GpuWeight, x: Any, tiles: Any, out: Any) -> None:
+def grouped_matmul(w: GpuWeight | StagedWeight, x: Any, tiles: Any, out: Any) -> None:
     """out (n_slots, m) = w_e . x[pos] for each sorted row pos of expert e; w stacked (n_experts, m, k)."""
     _, m, k = w.shape
-    launch("matmul", N.typed("grouped_matmul", w.qtype), (_blocks(m, MM_ROWS), tiles.shape[0]), (128,),
+    launch("matmul", N.grouped("grouped_matmul", w.suffix), (_blocks(m, MM_ROWS), tiles.shape[0]), (128,),
            (*w.args(), x, out, tiles, i32(m), i32(k)))
 
 
@@ -594,7 +607,7 @@ def flash_attention_capable(n_heads: int, n_kv: int) -> bool:
     """Whether prompt chunks attend on tensor cores (flash_attention.cu): a GPU with mma.sync m16n8k16 and
     cp.async (compute capability 8.0; older ones keep attention()'s chunk path), and a GQA group that fits the
     rows of one block."""
-    return _mma_capable() and n_heads // n_kv <= FLASH_ROWS
+    return mma_capable() and n_heads // n_kv <= FLASH_ROWS
 
 
 def flash_attention(q, k_cache, v_cache, start, out, scale: float, window: int) -> None:

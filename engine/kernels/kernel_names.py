@@ -26,9 +26,12 @@ PER_TYPE = {
     "moe_down": ("matvec", ALL_TYPES),
     "matmul": ("matmul", QUANT_TYPES),
     "matmul_glu": ("matmul", QUANT_TYPES),
-    "grouped_matmul": ("matmul", QUANT_TYPES),
-    "grouped_matmul_glu": ("matmul", QUANT_TYPES),
 }
+# A mixture's grouped prompt products (matmul.cu GROUPED_Q), built per weight type and for the CPU kernels' layouts
+# of experts streamed from RAM (engine/cpu/layout.py families; "5": nibbles with a fifth bit).
+GROUPED_KINDS = ("grouped_matmul", "grouped_matmul_glu")
+HOST_LAYOUTS = ("cpu_nibble", "cpu_nibble5", "cpu_q6k", "cpu_q8")
+_GROUPED_SUFFIXES = (*(KERNEL_SUFFIX[t] for t in QUANT_TYPES), *HOST_LAYOUTS)
 # Quantized decode products of matvec.cu by kernel shape: kind -> (warps per row set, rows per set).
 SHAPES = {"matvec": ((1, 1), (2, 1), (1, 2), (2, 2)), "matvec_glu": ((1, 1), (2, 1), (1, 2))}
 SWEEP_SHAPES = {"matvec": ((4, 1),), "matvec_glu": ((4, 1), (2, 2))}  # matvec.cu, #ifdef SWEEP_KERNELS
@@ -50,6 +53,13 @@ def typed(kind: str, qtype: T) -> str:
     if qtype not in PER_TYPE[kind][1]:
         raise ValueError(f"{kind} has no kernel for {qtype.name} weights")
     return f"{kind}_{KERNEL_SUFFIX[qtype]}"
+
+
+def grouped(kind: str, suffix: str) -> str:
+    """suffix: a quantized type's (gpu_layout.KERNEL_SUFFIX) or one of HOST_LAYOUTS."""
+    if kind not in GROUPED_KINDS or suffix not in _GROUPED_SUFFIXES:
+        raise ValueError(f"{kind} has no grouped kernel for {suffix} weights")
+    return f"{kind}_{suffix}"
 
 
 def shaped(kind: str, qtype: T, shape: tuple[int, int]) -> str:
@@ -103,6 +113,7 @@ def built(capability: int, sweep: bool = False) -> dict[str, set[str]]:
     add("matvec", streams)
     for kind, (module, types) in PER_TYPE.items():
         add(module, {typed(kind, t) for t in types})
+    add("matmul", {grouped(kind, suffix) for kind in GROUPED_KINDS for suffix in _GROUPED_SUFFIXES})
     add("dequant", {dequant(t, half) for t in ALL_TYPES for half in (False, True)})
     for kind, (module, oldest) in PER_HEAD_DIM.items():
         if capability >= oldest:

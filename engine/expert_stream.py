@@ -1,0 +1,118 @@
+"""Experts kept in RAM, streamed to the GPU for a prompt chunk (the GPU backend's side of issue 18 item 5).
+
+A chunk of many tokens uses nearly every expert of a layer, and the GPU computes them far faster than the CPU, so
+such a chunk copies the layer's expert planes (the CPU kernels' layout, engine/cpu/layout.py, kept page-locked so
+the copy runs at the bus's speed and asynchronously) into one device staging buffer, where matmul.cu's grouped
+products read that layout. The copies run on their own stream, each as soon as the kernels reading the buffer's
+previous layer are done, so they overlap the compute stream's other work (attention, the experts on the GPU); the
+buffer holds one layer, which the fit counts in GPU memory (fit.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Sequence
+
+import cupy
+import cupyx
+import numpy as np
+
+from engine.cpu import layout
+from engine.cpu.weights import CpuWeight
+from engine.kernels.cuda import StagedWeight
+
+ALIGN = 256  # each plane's start inside the pinned buffer and the staging buffer
+
+
+def _padded(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def _arrays(planes: layout.Planes) -> tuple[np.ndarray, ...]:
+    return planes.lo, planes.hi, planes.d, planes.m
+
+
+def span(planes: layout.Planes) -> int:
+    """Bytes of the pinned buffer `pin` puts these planes in (and of their copy on the device)."""
+    return sum(_padded(a.nbytes) for a in _arrays(planes))
+
+
+def pin(planes: layout.Planes) -> layout.Planes:
+    """The same planes in one page-locked buffer, one after another at ALIGN boundaries, lo first."""
+    buffer = cupyx.empty_pinned(span(planes), np.uint8)
+    views, at = [], 0
+    for a in _arrays(planes):
+        view = buffer[at : at + a.nbytes].view(a.dtype).reshape(a.shape)
+        view[...] = a
+        views.append(view)
+        at += _padded(a.nbytes)
+    return layout.Planes(planes.family, planes.k, *views)
+
+
+def return_freed_heap() -> None:
+    """Hand the C heap's free pages back to the OS. The packed planes `pin` copied were freed there, and glibc keeps
+    freed blocks below its mmap threshold (which grows to 32 MB) for reuse: the experts would take their bytes twice
+    in RAM (measured on the H200 machine: 18.1 GB resident for 10.6 GB of pinned experts)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc
+        return
+    libc.malloc_trim(0)
+
+
+def suffix(planes: layout.Planes) -> str:
+    """The grouped kernels' name for this layout (kernel_names.HOST_LAYOUTS)."""
+    if planes.family == "nibble":
+        return "cpu_nibble5" if planes.hi.shape[1] else "cpu_nibble"
+    return f"cpu_{planes.family}"
+
+
+def streamable(weights: Sequence[CpuWeight]) -> bool:
+    """Whether the grouped kernels read these experts: packed planes, and gate and up of one layout."""
+    if any(w.planes is None for w in weights):
+        return False
+    gate, up = weights[0], weights[1]
+    return suffix(gate.planes) == suffix(up.planes)
+
+
+class ExpertStream:
+    """One device buffer for a layer's experts, filled on a copy stream; `take` before a layer's grouped products,
+    `done` after them (with the next layer to prefetch, if any)."""
+
+    def __init__(self, weights: Sequence[CpuWeight]) -> None:
+        sizes = sorted((span(w.planes) for w in weights if w.planes is not None), reverse=True)
+        self.buffer = cupy.empty(sum(sizes[:3]), cupy.uint8)  # a layer's gate, up and down at most
+        self.copy = cupy.cuda.Stream(non_blocking=True)
+        self.copied = cupy.cuda.Event(disable_timing=True)
+        self.freed = cupy.cuda.Event(disable_timing=True)
+        self.holds: dict[int, StagedWeight] = {}  # id of each weight in the buffer (or on its way) -> its copy
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.buffer.nbytes)
+
+    def take(self, layer: Sequence[CpuWeight], stream: cupy.cuda.Stream) -> list[StagedWeight]:
+        """The layer's experts on the device; `stream` waits for their copy."""
+        if any(id(w) not in self.holds for w in layer):
+            self._fill(layer)
+        stream.wait_event(self.copied)
+        return [self.holds[id(w)] for w in layer]
+
+    def done(self, stream: cupy.cuda.Stream, following: Sequence[CpuWeight] | None) -> None:
+        """The kernels reading the buffer are queued on `stream`; start copying `following` once they finish."""
+        stream.record(self.freed)
+        if following:
+            self._fill(following)
+
+    def _fill(self, layer: Sequence[CpuWeight]) -> None:
+        self.copy.wait_event(self.freed)
+        self.holds, at = {}, 0
+        for w in layer:
+            base = self.buffer.data.ptr + at
+            cupy.cuda.runtime.memcpyAsync(base, w.planes.lo.ctypes.data, span(w.planes),
+                                          cupy.cuda.runtime.memcpyHostToDevice, self.copy.ptr)
+            offsets = np.cumsum([0] + [_padded(a.nbytes) for a in _arrays(w.planes)])
+            lo, hi, d, m = (np.uintp(base + int(o)) for o in offsets[:4])
+            self.holds[id(w)] = StagedWeight(w.shape, suffix(w.planes), (lo, hi, m, d))
+            at += span(w.planes)
+        self.copy.record(self.copied)
