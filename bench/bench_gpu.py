@@ -60,6 +60,16 @@ def bytes_per_token(weights, top_k: int | None = None) -> tuple[int, int]:
     return gpu, host
 
 
+def rss_parts() -> dict[str, int]:
+    """The resident set by kind (Linux): anonymous memory, mapped files, shared memory (pinned buffers may show here)."""
+    status = Path("/proc/self/status")
+    if not status.is_file():
+        return {}
+    fields = dict(line.split(":", 1) for line in status.read_text().splitlines() if ":" in line)
+    return {f"process_{key.lower()}_bytes": int(fields[key].split()[0]) * 1024
+            for key in ("RssAnon", "RssFile", "RssShmem") if key in fields}
+
+
 def host_read_bytes_per_s(gib: int = 2, reps: int = 5) -> float:
     """This machine's RAM read bandwidth: a parallel sum over `gib` GiB on every core, the best of `reps`."""
     import numba
@@ -227,6 +237,7 @@ def run(path: Path, prompt_len: int, output_len: int, device: str, repeats: int,
             "gpu_memory_used_bytes": int(total - free),
             "host_weight_bytes": model.info.host_weight_bytes,
             "process_rss_bytes": psutil.Process().memory_info().rss,
+            **rss_parts(),
         }
     result = {
         "model": model.info.name,

@@ -1,6 +1,6 @@
 # One device call: install the carried wheels, run the GPU tests, then the speed benchmarks.
 # Usage (on the GPU machine, repo root): bash bench/device_run.sh [tests] [kernels] [shapes] [prompt] [synthetic] [profile] [smol]
-#                                        [archs] [memory] [issue5] [flash] [ram] [moe]
+#                                        [archs] [memory] [issue5] [flash] [ram] [moe] [hybrid]
 # The GPU machine has no network: .whl/ holds the wheels it lacks (gguf; pydantic and its dependencies, which
 # tests/conftest.py's catalog lookup imports; `pip download` them for Python 3.12), and the SmolLM2 GGUF
 # (98 MB, over one call's 64 MB) travels in two parts, .carry/smol.part00 (copied to /tmp/strata by a first call) and
@@ -12,7 +12,8 @@
 # (bench/bench_attention.py) and the Qwen3-8B Q4_K_M shape, FLASH_RUNS="prompt:attention[:decode-attention] ..." (the
 # bench_gpu.py options; by default 512 and 8192 tokens, today's kernels against the older ones). moe: the mixture
 # tests, one layer's experts both ways (gpu_kernels.py moe) and the synthetic Qwen3-30B-A3B's prompts of
-# MOE_PROMPTS="512 4096" tokens.
+# MOE_PROMPTS="512 4096" tokens. hybrid: the hybrid families' GPU tests, on the tiny models carried in .carry/hybrid
+# (tests/test_gpu_hybrid.py tiny_hybrid, for a machine whose transformers lacks these families).
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 STRATA_TEST_CACHE=/tmp/strata
@@ -70,12 +71,12 @@ for part in "$@"; do
       rm -f "$f" ;;
     ram)
       # Experts in RAM (issue 18): GPU tests of the split model, then the synthetic Qwen3-30B-A3B (Q4_K_M mix) with the
-      # experts of RAM_LAYERS="0 21 32 48" layers in RAM.
+      # experts of RAM_LAYERS="0 21 32 48" layers in RAM, prompts of RAM_PROMPT=512 tokens.
       timeout 300 python3 -m pytest -q -s -p no:cacheprovider --tb=short -rf tests/test_gpu_moe.py 2>&1 | tee "$OUT/ram_tests.log" | grep -E "in RAM|passed|failed|Error"
       f=/tmp/strata/synthetic-qwen3-30b-a3b.gguf
       [ -f "$f" ] || python3 bench/make_synthetic_gguf.py "$f" --shape qwen3-30b-a3b --type Q4_K_M
       for n in ${RAM_LAYERS:-0 21 32 48}; do
-        timeout 240 python3 bench/bench_gpu.py "$f" --repeats 2 --experts-in-ram $n 2>&1 | tee -a "$OUT/ram_bench.jsonl"
+        timeout 240 python3 bench/bench_gpu.py "$f" --prompt ${RAM_PROMPT:-512} --repeats 2 --experts-in-ram $n 2>&1 | tee -a "$OUT/ram_bench.jsonl"
       done ;;
     moe)
       timeout 240 python3 -m pytest -q -s -p no:cacheprovider --tb=short -rf tests/test_gpu_moe.py tests/test_gpu_kernels.py \
@@ -86,5 +87,8 @@ for part in "$@"; do
       for p in ${MOE_PROMPTS:-512 4096}; do
         timeout 200 python3 bench/bench_gpu.py "$f" --prompt $p --output 64 --repeats 2 2>&1 | tee -a "$OUT/moe_bench.jsonl"
       done ;;
+    hybrid)
+      cp .carry/smollm2-tokenizer.gguf .carry/hybrid/*.gguf /tmp/strata/
+      timeout 300 python3 -m pytest -q -s -p no:cacheprovider --tb=short -rf tests/test_gpu_hybrid.py 2>&1 | tee "$OUT/hybrid_tests.log" | grep -E "relative error|logit range|passed|failed|Error" ;;
   esac
 done

@@ -141,6 +141,9 @@ class Backend(Protocol):
         """Copy host array `src` into backend array `dst` of the same shape (converting dtype). Used to set
         the token ids and `start` of the next step without changing the buffers a graph captured."""
 
+    def assign(self, dst: Array, src: Array | float) -> None:
+        """dst[...] = src (an array of this backend, or a number), in order with the backend's other work."""
+
     def to_host(self, x: Array) -> np.ndarray:
         """A host NumPy copy of `x` (waits for pending work on the GPU)."""
 

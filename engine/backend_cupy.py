@@ -31,6 +31,7 @@ from engine.errors import EngineError
 from engine.gguf_file import GGUFTensor
 from engine.kernels import cuda as K
 from engine.kernels.gpu_layout import supported
+from engine.kernels.kernel_names import DELTA_KEY_DIMS as N_DELTA_KEY_DIMS
 from engine.kernels.host_calls import HostCalls
 from engine.q8_sets import Q8Sets, Span, span
 
@@ -140,6 +141,10 @@ class CupyBackend:
     def copy_into(self, dst: Any, src: np.ndarray) -> None:
         dst.set(np.ascontiguousarray(src, dtype=dst.dtype), stream=self.stream)
 
+    @_op("dst")
+    def assign(self, dst: Any, src: Any) -> None:
+        dst[...] = src
+
     @_op()
     def to_host(self, x: Any) -> np.ndarray:
         # Wait first, without the GIL: a copy into pageable memory might wait for a host call while holding it.
@@ -151,7 +156,9 @@ class CupyBackend:
         shape = tuple(int(s) for s in tensor.shape)
         if host:
             return self._upload_host(tensor, shape)
-        if len(shape) == 1:
+        # Vectors, and float32 matrices of rows too short for the products (the DeltaNet convolution's taps), are
+        # plain float32 values, read by the ops that take them.
+        if len(shape) == 1 or (tensor.qtype == quants.T.F32 and shape[-1] % 32):
             values = quants.dequantize(tensor.raw, tensor.qtype, shape).astype(np.float32)
             return self._hold(K.GpuWeight(tensor.name, shape, quants.T.F32, cupy.asarray(values), ()))
         # 3-D tensors are the stacked experts of a mixture of experts: whole rows, so stored like a matrix.
@@ -450,6 +457,31 @@ class CupyBackend:
         """int8 activations of `size` values in scratch from `buffer` (_buffer or _decode_buffer)."""
         return K.Q8(buffer(f"{key}_q", size, cupy.int8), buffer(f"{key}_q2", size, cupy.int8),
                     buffer(f"{key}_ds", size // 16, cupy.float32).reshape(-1, 2))
+
+    # ---- hybrid models' recurrent layers ----
+
+    @_op("state", "out")
+    def causal_conv_silu(self, x, weight: K.GpuWeight, state, out) -> None:
+        if weight.qtype != quants.T.F32 or weight.shape[1] != K.CONV_KERNEL:
+            raise EngineError(f"The GPU backend runs float32 convolutions of width {K.CONV_KERNEL}, not {weight.name} "
+                              f"({weight.qtype.name}, {weight.shape}). Run this model on the CPU with device='cpu'.")
+        K.causal_conv_silu(x, weight.data, state, out)
+
+    @_op("state", "out")
+    def gated_delta_net(self, qkv, ba, dt_bias: K.GpuWeight, ssm_a: K.GpuWeight, state, out, n_k_heads: int,
+                        tiled: bool) -> None:
+        if state.shape[1] not in N_DELTA_KEY_DIMS:
+            raise EngineError(f"The GPU backend's delta rule takes key heads of {', '.join(map(str, N_DELTA_KEY_DIMS))}"
+                              f" values, not {state.shape[1]}. Run this model on the CPU with device='cpu'.")
+        K.gated_delta_net(qkv, ba, dt_bias.data, ssm_a.data, state, out, n_k_heads, tiled)
+
+    @_op("out")
+    def gated_rms_norm(self, x, gate, weight: K.GpuWeight, eps: float, out) -> None:
+        K.gated_rms_norm(x, gate, weight.data, eps, out)
+
+    @_op("out")
+    def sigmoid_gate(self, x, gate, out, accumulate: bool = False) -> None:
+        K.sigmoid_gate(x, gate, out, accumulate)
 
     @_op("q", "k", "out")
     def rope_attention(self, q, k, v, rope: RopeTable, style: str, cache: KVCache, layer: int, start, out,

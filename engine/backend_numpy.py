@@ -44,6 +44,9 @@ class NumpyBackend:
     def copy_into(self, dst: np.ndarray, src: np.ndarray) -> None:
         dst[...] = src
 
+    def assign(self, dst: np.ndarray, src: np.ndarray | float) -> None:
+        dst[...] = src
+
     def to_host(self, x: np.ndarray) -> np.ndarray:
         return np.array(x, copy=True)
 

@@ -41,13 +41,9 @@ def architectures() -> set[str]:
     return set(ARCHITECTURES)
 
 
-# Hybrid Gated DeltaNet families: their recurrent layers have NumPy references only, no GPU kernels yet.
-CPU_ONLY_ARCHITECTURES = frozenset({"qwen35", "qwen35moe", "qwen3next"})
-
-
 def gpu_architectures() -> set[str]:
-    """The architectures the GPU backend runs; the others load on the CPU."""
-    return architectures() - CPU_ONLY_ARCHITECTURES
+    """The architectures the GPU backend runs: every one (the hybrids' recurrent layers too, engine/kernels/hybrid.cu)."""
+    return architectures()
 
 
 def cpu_tensor_types() -> set[str]:

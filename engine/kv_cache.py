@@ -4,7 +4,7 @@ state of hybrid models, whose recurrent layers can only go back to a saved point
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 
 class CachedTokens:
@@ -55,6 +55,7 @@ class RecurrentCache:
     ssm: Any
     saved_conv: Any
     saved_ssm: Any
+    assign: Callable[[Any, Any], None]  # the backend's assign: copies queue with its other work
     saved_at: int | None = None  # tokens the copy stands for; None: no copy
 
     @property
@@ -62,13 +63,13 @@ class RecurrentCache:
         return int(self.kv.nbytes + 2 * (self.conv.nbytes + self.ssm.nbytes))
 
     def reset(self) -> None:
-        self.conv[...] = 0
-        self.ssm[...] = 0
+        self.assign(self.conv, 0)
+        self.assign(self.ssm, 0)
         self.saved_at = None
 
     def save(self, n_tokens: int) -> None:
-        self.saved_conv[...] = self.conv
-        self.saved_ssm[...] = self.ssm
+        self.assign(self.saved_conv, self.conv)
+        self.assign(self.saved_ssm, self.ssm)
         self.saved_at = n_tokens
 
     def rewind(self, reusable: int, live: int) -> int:
@@ -77,8 +78,8 @@ class RecurrentCache:
         if reusable >= live:
             return live
         if self.saved_at is not None and self.saved_at <= reusable:
-            self.conv[...] = self.saved_conv
-            self.ssm[...] = self.saved_ssm
+            self.assign(self.conv, self.saved_conv)
+            self.assign(self.ssm, self.saved_ssm)
             return self.saved_at
         self.saved_at = None  # the tokens after the cut change, and the copy with them
         return 0

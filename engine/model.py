@@ -15,7 +15,7 @@ from engine.arch import architecture_module
 from engine.arch.parts import MOE, MOE_SHARED, DecoderConfig
 from engine.backend import Backend, MemoryInUse
 from engine.backend_numpy import NumpyBackend
-from engine.capabilities import DEFAULT_CONTEXT, MAX_PROMPT_CHUNK, gpu_architectures
+from engine.capabilities import DEFAULT_CONTEXT, MAX_PROMPT_CHUNK
 from engine.chat_template import ChatTemplate
 from engine.cpu.weights import held_nbytes
 from engine.errors import EngineError
@@ -46,19 +46,12 @@ class ModelInfo:
     has_chat_template: bool  # base models have none: they only continue plain text
 
 
-def select_backend(device: str, architecture: str | None = None) -> tuple[Backend, str]:
-    """The backend for device "auto", "cpu" or "cuda" (and a model of `architecture`), and a sentence saying why
-    it was chosen."""
+def select_backend(device: str) -> tuple[Backend, str]:
+    """The backend for device "auto", "cpu" or "cuda", and a sentence saying why it was chosen."""
     if device not in ("auto", "cpu", "cuda"):
         raise EngineError(f"device must be 'auto', 'cpu' or 'cuda', not {device!r}.")
     if device == "cpu":
         return NumpyBackend(), "The CPU (NumPy) backend was requested."
-    if architecture is not None and architecture not in gpu_architectures():
-        if device == "cuda":
-            raise EngineError(
-                f"The {architecture} architecture runs on the CPU only for now; load it with device='cpu' or 'auto'."
-            )
-        return NumpyBackend(), f"The {architecture} architecture runs on the CPU only for now (no GPU kernels yet)."
     try:
         gpu = importlib.import_module("engine.backend_cupy")
         reason = gpu.unavailable_reason()
@@ -248,7 +241,7 @@ def load_model(
         tokenizer = Tokenizer(gguf)
         template = ChatTemplate.from_gguf(gguf)
         host_layers = _host_expert_layers(config, expert_layers_in_ram, gguf.path.name)
-        backend, reason = select_backend(device, gguf.architecture)
+        backend, reason = select_backend(device)
         if backend.name == "numpy":
             host_layers = frozenset()
         try:

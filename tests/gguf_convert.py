@@ -259,8 +259,8 @@ def write_gguf(
     chat_template: str | None = None,
 ) -> Path:
     """Write `model` (a transformers causal LM) as a GGUF of architecture `arch` at `path`; with f16 the
-    matrices are stored as F16 (norms, biases and the router stay F32, as llama.cpp keeps them); chat_template
-    replaces the tokenizer source's template."""
+    matrices are stored as F16 (norms, biases, the router and the DeltaNet convolution stay F32, as llama.cpp's
+    converter keeps them); chat_template replaces the tokenizer source's template."""
     config = model.config
     state = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
     writer = GGUFWriter(str(path), arch)
@@ -269,7 +269,7 @@ def write_gguf(
     _copy_tokenizer(writer, tokenizer_source, chat_template)
     for name, w in _tensors(arch, config, state):
         w = np.ascontiguousarray(w, dtype=np.float32)
-        if f16 and w.ndim >= 2 and "ffn_gate_inp" not in name:
+        if f16 and w.ndim >= 2 and "ffn_gate_inp" not in name and "ssm_conv1d" not in name:
             writer.add_tensor(name, w.astype(np.float16), raw_dtype=GGMLQuantizationType.F16)
         else:
             writer.add_tensor(name, w)

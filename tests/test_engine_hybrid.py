@@ -18,7 +18,8 @@ SHORT = "The capital of France is Paris. The capital of Germany is"
 LONG = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n" * 6
 
 
-def _build(arch: str):
+def _build(arch: str, **sizes):
+    """sizes: config fields to change (the GPU tests use head sizes their kernels have)."""
     import transformers as tf
 
     # Two key heads and four value heads, so the order of the value heads (tiled or grouped) matters; eight layers,
@@ -33,6 +34,8 @@ def _build(arch: str):
         rms_norm_eps=1e-6,
     )
     moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+    for key, value in sizes.items():
+        (moe if key in moe else common)[key] = value
     if arch == "qwen35":
         return tf.Qwen3_5ForCausalLM(tf.Qwen3_5TextConfig(**common, intermediate_size=96))
     if arch == "qwen35moe":

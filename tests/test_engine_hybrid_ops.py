@@ -10,11 +10,11 @@ import gguf
 import numpy as np
 import pytest
 
+from engine.backend_numpy import NumpyBackend
 from engine.capabilities import profile
 from engine.errors import EngineError
 from engine.kernels import reference
 from engine.kv_cache import RecurrentCache
-from engine.model import select_backend
 
 rng = np.random.default_rng(0)
 
@@ -100,7 +100,7 @@ def test_gates_follow_the_file_conventions():
 def _cache() -> RecurrentCache:
     shape_conv, shape_ssm = (2, 3, 5), (2, 2, 4, 4)
     cache = RecurrentCache(kv=None, conv=np.zeros(shape_conv), ssm=np.zeros(shape_ssm), saved_conv=np.zeros(shape_conv),
-                           saved_ssm=np.zeros(shape_ssm))
+                           saved_ssm=np.zeros(shape_ssm), assign=NumpyBackend().assign)
     return cache
 
 
@@ -168,16 +168,12 @@ def test_qwen35_pre_tokenizer_matches_transformers(tmp_path, smollm2_gguf):
         assert ours.encode(text) == theirs(text, add_special_tokens=False)["input_ids"], text
 
 
-def test_hybrids_run_on_the_cpu_only():
+def test_hybrids_run_on_both_paths():
     assert {"qwen35", "qwen35moe", "qwen3next"} <= profile()["supported_architectures"]
-    assert not {"qwen35", "qwen35moe", "qwen3next"} & profile()["gpu_architectures"]
-    backend, reason = select_backend("auto", "qwen35moe")
-    assert backend.name == "numpy" and "CPU only" in reason
-    with pytest.raises(EngineError, match="runs on the CPU only for now"):
-        select_backend("cuda", "qwen3next")
+    assert {"qwen35", "qwen35moe", "qwen3next"} <= profile()["gpu_architectures"]
 
 
-def test_choose_model_says_the_catalogs_hybrids_run_on_the_cpu_only():
+def test_choose_model_offers_the_catalogs_hybrids_on_the_gpu():
     from setup_logic.catalog import load_catalog
     from setup_logic.engine_profile import EngineProfile
     from setup_logic.fit import Preferences, recommend
@@ -186,16 +182,11 @@ def test_choose_model_says_the_catalogs_hybrids_run_on_the_cpu_only():
     engine = EngineProfile(**profile())
     hybrids = {m.id for m in load_catalog() if m.architecture in ("qwen35", "qwen35moe", "qwen3next")}
     assert hybrids
-    for report in (pc(64, 55, [("RTX 4090", 24, 23.5)]), pc(512, 500)):
-        rec = recommend(report, load_catalog(), Preferences(goal="code"), engine)
-        assert not hybrids & {r.id for r in rec.not_supported}  # the engine runs them now...
-        offered = {c.model_id: c for c in ([rec.choice] if rec.choice else []) + rec.alternatives}
-        reasons = {r.id: r.reason for r in rec.not_fitting if r.id in hybrids}
-        assert reasons.keys() | (offered.keys() & hybrids) == hybrids  # ...on the CPU path only
-        assert all(offered[m].level == "cpu" for m in offered.keys() & hybrids)
-        for reason in reasons.values():
-            assert "Too slow on this PC's CPU" in reason and "on an NVIDIA GPU it would run far faster" not in reason
-            assert report.gpus == [] or "the GPU path does not run the qwen35" in reason
+    rec = recommend(pc(64, 55, [("RTX 4090", 24, 23.5)]), load_catalog(), Preferences(goal="code"), engine)
+    assert not hybrids & {r.id for r in rec.not_supported}
+    offered = {c.model_id: c for c in ([rec.choice] if rec.choice else []) + rec.alternatives}
+    on_gpu = {m for m in offered.keys() & hybrids if offered[m].level in ("gpu", "gpu+ram")}
+    assert on_gpu, {m: offered[m].level for m in offered.keys() & hybrids}
 
 
 def test_older_files_place_attention_by_the_interval_and_mtp_layers_are_left_out(tmp_path):

@@ -108,6 +108,7 @@ SAMPLE = {
     "per_group": lambda kind: N.per_group(kind, N.HEAD_DIMS[0], 4),
     "stream": lambda: N.stream(N.QUANT_TYPES[0], ""),
     "dequant": lambda: N.dequant(N.QUANT_TYPES[0], True),
+    "delta_rule": lambda: N.delta_rule(N.DELTA_KEY_DIMS[0]),
 }
 
 
@@ -122,7 +123,7 @@ def test_cuda_py_builds_kernel_names_only_through_kernel_names():
     built = N.built(90)
     calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
              and getattr(n.func.value, "id", "") == "N" and n.func.attr in SAMPLE]
-    assert len(calls) >= 15
+    assert len(calls) >= 16
     for call in calls:
         kind = [a.value for a in call.args[:1] if isinstance(a, ast.Constant)]
         name = SAMPLE[call.func.attr](*kind)  # a kind that the data lacks raises here

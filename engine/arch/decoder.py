@@ -138,6 +138,7 @@ def new_cache(config: DecoderConfig, backend: Backend, max_tokens: int) -> KVCac
     cache = RecurrentCache(
         kv=backend.kv_cache(c.n_layers - n_recurrent, c.n_kv_heads, c.head_dim, max_tokens),
         conv=backend.empty(conv), ssm=backend.empty(ssm), saved_conv=backend.empty(conv), saved_ssm=backend.empty(ssm),
+        assign=backend.assign,
     )
     cache.reset()
     return cache

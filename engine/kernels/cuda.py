@@ -498,6 +498,18 @@ def rms_norm(x: Any, w: Any, eps: float, out: Any, q8: Q8 | None = None) -> None
            (x, w, out, i32(d), f32(eps), i32(inner), i64(x_stride), i64(o_stride), *q8_args(q8)))
 
 
+def gated_rms_norm(x: Any, gate: Any, w: Any, eps: float, out: Any) -> None:
+    """out = rms_norm(x) * w * silu(gate) over the last axis; x, gate, out (n, heads, d) views whose heads are
+    consecutive rows of d (token strides free)."""
+    n, heads, d = x.shape
+    for a in (x, gate, out):
+        if a.strides[1:] != (4 * d, 4):
+            raise ValueError("gated_rms_norm needs each token's heads as consecutive rows")
+    launch("norms", "gated_rms_norm", (n * heads,), (_norm_threads(d),),
+           (x, gate, w, out, i32(d), f32(eps), i32(heads), i64(x.strides[0] // 4), i64(gate.strides[0] // 4),
+            i64(out.strides[0] // 4)))
+
+
 ADD_NORM_MAX = 4 * 4 * 1024  # widest row add_rms_norm keeps in registers (NORM_CHUNKS in norms.cu)
 
 
@@ -656,3 +668,33 @@ def sample_sorted(vals, ids, n: int, temperature: float, top_p: float, min_p: fl
                   feed: tuple[Any, int] | None = None) -> None:
     launch("sampling", "sample_sorted", (1,), (1024,),
            (vals, ids, i32(n), f32(1.0 / temperature), f32(top_p), f32(min_p), f32(u), out_id, *_feed_args(feed)))
+
+
+# ---- hybrid models' recurrent layers (hybrid.cu) ------------------------------------------------------------
+
+CONV_KERNEL = 4  # the convolution width hybrid.cu is built for (every qwen35 / qwen3next file's)
+
+
+def causal_conv_silu(x: Any, w: Any, state: Any, out: Any) -> None:
+    """x, out (n, channels) with row strides; w (channels, CONV_KERNEL) float32; state (CONV_KERNEL - 1, channels)."""
+    n, channels = x.shape
+    launch("hybrid", "causal_conv_silu_4", (_blocks(channels, 128),), (128,),
+           (x, i64(x.strides[0] // 4), w, state, out, i64(out.strides[0] // 4), i32(n), i32(channels)))
+
+
+def gated_delta_net(qkv: Any, ba: Any, dt_bias: Any, ssm_a: Any, state: Any, out: Any, n_k: int, tiled: bool) -> None:
+    """See engine/backend.py gated_delta_net; state (H, dk, dv) float32, dk one of kernel_names.DELTA_KEY_DIMS."""
+    n = qkv.shape[0]
+    n_v, dk, dv = state.shape
+    threads = 32 * _blocks(max(dk, dv), 32)
+    launch("hybrid", N.delta_rule(dk), (n_v,), (threads,),
+           (qkv, i64(qkv.strides[0] // 4), ba, i64(ba.strides[0] // 4), dt_bias, ssm_a, state, out,
+            i64(out.strides[0] // 4), i32(n), i32(n_k), i32(n_v), i32(dv), i32(1 if tiled else 0)))
+
+
+def sigmoid_gate(x: Any, gate: Any, out: Any, accumulate: bool) -> None:
+    """out = x * sigmoid(gate) or out += that; x, out (n, m), gate (n, m) or (n, 1), each with its row stride."""
+    n, m = x.shape
+    launch("hybrid", "sigmoid_gate", (_blocks(n * m, 256),), (256,),
+           (x, i64(x.strides[0] // 4), gate, i64(gate.strides[0] // 4), i32(gate.shape[1]), out,
+            i64(out.strides[0] // 4), i32(n), i32(m), i32(1 if accumulate else 0)))

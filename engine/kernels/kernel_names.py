@@ -44,6 +44,8 @@ HEAD_DIMS = (64, 128, 256)  # head sizes the attention kernels are built for
 # attention.cu builds the cluster form (attention_decode) under __CUDA_ARCH__ >= 900.
 PER_HEAD_DIM = {"attention_partial": ("attention", 75), "attention_decode": ("attention", 90),
                 "flash_attention": ("flash_attention", 75)}
+# The gated delta rule (hybrid.cu) is built per key head size, which sets the registers its state takes.
+DELTA_KEY_DIMS = (16, 32, 64, 128)
 # Decode attention built per head size and query slots a block (the GQA group, rounded up to 4 or 8): kind ->
 # (module, oldest capability, head size -> slots).
 PER_GROUP = {"attention_decode_split": ("attention", 75, {hd: (4, 8) for hd in HEAD_DIMS})}
@@ -84,6 +86,12 @@ def dequant(qtype: T, half: bool) -> str:
     return f"dequant_{KERNEL_SUFFIX[qtype]}_{'f16' if half else 'f32'}"
 
 
+def delta_rule(key_dim: int) -> str:
+    if key_dim not in DELTA_KEY_DIMS:
+        raise ValueError(f"the gated delta rule has no kernel for key heads of {key_dim}")
+    return f"gated_delta_net_{key_dim}"
+
+
 def per_head_dim(kind: str, head_dim: int) -> str:
     if kind not in PER_HEAD_DIM or head_dim not in HEAD_DIMS:
         raise ValueError(f"{kind} has no kernel for heads of {head_dim}")
@@ -115,6 +123,7 @@ def built(capability: int, sweep: bool = False) -> dict[str, set[str]]:
         add(module, {typed(kind, t) for t in types})
     add("matmul", {grouped(kind, suffix) for kind in GROUPED_KINDS for suffix in _GROUPED_SUFFIXES})
     add("dequant", {dequant(t, half) for t in ALL_TYPES for half in (False, True)})
+    add("hybrid", {delta_rule(dk) for dk in DELTA_KEY_DIMS})
     for kind, (module, oldest) in PER_HEAD_DIM.items():
         if capability >= oldest:
             add(module, {per_head_dim(kind, hd) for hd in HEAD_DIMS})

@@ -43,6 +43,22 @@ extern "C" __global__ void rms_norm(const float* x, const float* __restrict__ w,
     quantize_row(yr, d, (long)blockIdx.x * (d / 32), xq, xq2, xds);
 }
 
+// The DeltaNet output norm: out = rms_norm(x) * w * silu(gate) per head (rows of d, `inner` heads a token, each
+// array with its own token stride); out may be x.
+extern "C" __global__ void gated_rms_norm(const float* x, const float* __restrict__ gate, const float* __restrict__ w,
+                                          float* out, int d, float eps, int inner, long x_stride, long gate_stride,
+                                          long out_stride) {
+    grid_dependency_sync();
+    __shared__ float red[32];
+    const float* xr = x + row_offset(blockIdx.x, d, inner, x_stride);
+    const float* gr = gate + row_offset(blockIdx.x, d, inner, gate_stride);
+    float* yr = out + row_offset(blockIdx.x, d, inner, out_stride);
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) ss += xr[i] * xr[i];
+    const float inv = rsqrtf(block_sum(ss, red) / (float)d + eps);
+    for (int i = threadIdx.x; i < d; i += blockDim.x) yr[i] = xr[i] * inv * w[i] * act_silu(gr[i]);
+}
+
 // The int8 groups of 32 values held 4 per thread by 8 consecutive threads (sub = 0..7 within the group): with
 // quantize_group's arithmetic (Q8Scale), the group's max and sums over 8 lanes instead of 32. Every lane of
 // the warp must call it (shuffles), so out-of-range lanes pass zeros and write nothing (store false).
