@@ -202,8 +202,7 @@ class CupyBackend:
         except (quants.UnsupportedTensorType, quants.TensorSizeError) as exc:
             raise EngineError(f"Tensor {tensor.name} cannot be kept in RAM for the CPU: {exc}.") from None
         if weight.planes is not None:
-            weight.planes = expert_stream.pin(weight.planes)  # the packed arrays go free here
-            expert_stream.return_freed_heap()
+            weight.planes = expert_stream.pin(weight.planes)
         if self._host_calls is None:
             self._host_calls = HostCalls()
         self._host_weights.append(weight)

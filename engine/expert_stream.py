@@ -10,7 +10,6 @@ buffer holds one layer, which the fit counts in GPU memory (fit.py).
 
 from __future__ import annotations
 
-import ctypes
 from typing import Sequence
 
 import cupy
@@ -47,17 +46,6 @@ def pin(planes: layout.Planes) -> layout.Planes:
         views.append(view)
         at += _padded(a.nbytes)
     return layout.Planes(planes.family, planes.k, *views)
-
-
-def return_freed_heap() -> None:
-    """Hand the C heap's free pages back to the OS. The packed planes `pin` copied were freed there, and glibc keeps
-    freed blocks below its mmap threshold (which grows to 32 MB) for reuse: the experts would take their bytes twice
-    in RAM (measured on the H200 machine: 18.1 GB resident for 10.6 GB of pinned experts)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc
-        return
-    libc.malloc_trim(0)
 
 
 def suffix(planes: layout.Planes) -> str:
