@@ -20,6 +20,7 @@ Usage: python bench/bench_gpu.py MODEL.gguf [MODEL.gguf ...] [--prompt 512] [--o
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import sys
@@ -40,24 +41,37 @@ GREEDY = GenerationSettings(temperature=0.0).sampling()
 
 
 def bytes_per_token(weights, top_k: int | None = None) -> tuple[int, int]:
-    """Weight bytes one decode step reads: every layer matrix and the output head (one embedding row aside); of
-    stacked experts only the top_k slabs a token uses (n_experts equal slabs per tensor). Returns (on the GPU,
-    in RAM: the experts the CPU computes, in its layout)."""
+    """Weight bytes one decode step reads: every weight of every layer and the output head (one embedding row
+    aside); of stacked experts (3-D) only the top_k slabs a token uses. Returns (on the GPU, in RAM: the experts the
+    CPU computes, in its layout)."""
     gpu, host = weights.output.nbytes, 0
     for layer in weights.layers:
-        attn, ffn = layer.mixer, layer.ffn
-        for handle in (*attn.qkv, attn.out):
-            gpu += handle.nbytes
-        if hasattr(ffn, "gate_exps"):
-            gpu += ffn.router.nbytes
-            experts = sum(h.nbytes * top_k // h.shape[0] for h in (ffn.gate_exps, ffn.up_exps, ffn.down_exps))
-            if isinstance(ffn.gate_exps, CpuWeight):
-                host += experts
+        for handle in _handles(layer):
+            read = handle.nbytes * top_k // handle.shape[0] if len(handle.shape) == 3 else handle.nbytes
+            if isinstance(handle, CpuWeight):
+                host += read
             else:
-                gpu += experts
-        else:
-            gpu += ffn.gate.nbytes + ffn.up.nbytes + ffn.down.nbytes
+                gpu += read
     return gpu, host
+
+
+def _handles(part):
+    """The weight handles in a layer's dataclasses (any part kind), each once."""
+    seen = set()
+
+    def walk(x):
+        if hasattr(x, "qtype") and hasattr(x, "nbytes"):
+            if id(x) not in seen:
+                seen.add(id(x))
+                yield x
+        elif isinstance(x, (list, tuple)):
+            for item in x:
+                yield from walk(item)
+        elif dataclasses.is_dataclass(x) and not isinstance(x, type):
+            for field in dataclasses.fields(x):
+                yield from walk(getattr(x, field.name))
+
+    return list(walk(part))
 
 
 def rss_parts() -> dict[str, int]:

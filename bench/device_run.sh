@@ -1,6 +1,6 @@
 # One device call: install the carried wheels, run the GPU tests, then the speed benchmarks.
 # Usage (on the GPU machine, repo root): bash bench/device_run.sh [tests] [kernels] [shapes] [prompt] [synthetic] [profile] [smol]
-#                                        [archs] [memory] [issue5] [flash] [ram] [moe] [hybrid]
+#                                        [archs] [memory] [issue5] [flash] [ram] [moe] [hybrid] [hybridbench]
 # The GPU machine has no network: .whl/ holds the wheels it lacks (gguf; pydantic and its dependencies, which
 # tests/conftest.py's catalog lookup imports; `pip download` them for Python 3.12), and the SmolLM2 GGUF
 # (98 MB, over one call's 64 MB) travels in two parts, .carry/smol.part00 (copied to /tmp/strata by a first call) and
@@ -13,7 +13,8 @@
 # bench_gpu.py options; by default 512 and 8192 tokens, today's kernels against the older ones). moe: the mixture
 # tests, one layer's experts both ways (gpu_kernels.py moe) and the synthetic Qwen3-30B-A3B's prompts of
 # MOE_PROMPTS="512 4096" tokens. hybrid: the hybrid families' GPU tests, on the tiny models carried in .carry/hybrid
-# (tests/test_gpu_hybrid.py tiny_hybrid, for a machine whose transformers lacks these families).
+# (tests/test_gpu_hybrid.py tiny_hybrid, for a machine whose transformers lacks these families). hybridbench: the
+# synthetic HYBRID_SHAPES="qwen3.6-35b-a3b qwen3.8-27b" (Q4_K_M mix) at prompts of HYBRID_PROMPTS="512 4096".
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 STRATA_TEST_CACHE=/tmp/strata
@@ -90,5 +91,14 @@ for part in "$@"; do
     hybrid)
       cp .carry/smollm2-tokenizer.gguf .carry/hybrid/*.gguf /tmp/strata/
       timeout 300 python3 -m pytest -q -s -p no:cacheprovider --tb=short -rf tests/test_gpu_hybrid.py 2>&1 | tee "$OUT/hybrid_tests.log" | grep -E "relative error|logit range|passed|failed|Error" ;;
+    hybridbench)
+      for shape in ${HYBRID_SHAPES:-qwen3.6-35b-a3b qwen3.8-27b}; do
+        f=/tmp/strata/synthetic-$shape.gguf
+        [ -f "$f" ] || python3 bench/make_synthetic_gguf.py "$f" --shape $shape --type Q4_K_M
+        for p in ${HYBRID_PROMPTS:-512 4096}; do
+          timeout 240 python3 bench/bench_gpu.py "$f" --prompt $p --output 64 --repeats 2 2>&1 | tee -a "$OUT/hybrid_bench.jsonl"
+        done
+        rm -f "$f"
+      done ;;
   esac
 done

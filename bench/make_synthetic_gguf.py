@@ -1,6 +1,7 @@
 """Writes a GGUF of random quantized blocks in the geometry of a real model, for speed and memory tests of
 geometries no embedded model has (decode speed does not depend on the weight values): Llama 1.2B/8B, a
-Qwen3-8B (QK-norm) and a Qwen3-30B-A3B mixture of experts. Norms are F32 ones, and a minimal byte-level
+Qwen3-8B (QK-norm), a Qwen3-30B-A3B mixture of experts, and the hybrid Gated DeltaNet Qwen3.8-27B (qwen35) and
+Qwen3.6-35B-A3B (qwen35moe), every fourth layer gated attention. Norms are F32 ones, and a minimal byte-level
 tokenizer makes the file loadable by engine.load_model; --tokenizer copies a real model's instead (padded to the
 shape's vocabulary), so llama.cpp loads the very file our bench runs.
 
@@ -11,7 +12,8 @@ attn_v layers; all of them here, so the speed figures are a little pessimistic).
 Large tensors repeat a 32 MiB pool of random blocks from a random block offset: the bytes a kernel reads still
 lie at their own addresses, and writing a 20 GB file stays a memory copy instead of 20 GB of random numbers.
 
-Usage: python bench/make_synthetic_gguf.py OUT.gguf --shape 1.2b|8b|qwen3-8b|qwen3-30b-a3b --type Q4_0|Q4_K|Q4_K_M|...
+Usage: python bench/make_synthetic_gguf.py OUT.gguf --shape 1.2b|8b|qwen3-8b|qwen3-30b-a3b|qwen3.8-27b|qwen3.6-35b-a3b
+       --type Q4_0|Q4_K|Q4_K_M|...
        [--tokenizer OTHER.gguf]
 """
 
@@ -32,7 +34,8 @@ from engine.tokenizer import byte_alphabet  # noqa: E402
 
 T = GGMLQuantizationType
 # hidden, layers, ffn, heads, kv heads, vocab, tied embeddings (Llama 3.2 1B ties them, Llama 3 8B does not);
-# Qwen3 adds head_dim, QK-norm and its context length, the MoE its experts (ffn is then one expert's).
+# Qwen3 adds head_dim, QK-norm and its context length, the MoE its experts (ffn is then one expert's); the hybrids
+# their DeltaNet heads (linear: key heads, value heads, head size), rotary dims and shared expert (model-catalog.md).
 SHAPES = {
     "1.2b": dict(hidden=2048, layers=16, ffn=8192, heads=32, kv_heads=8, vocab=128256, tied=True),
     "8b": dict(hidden=4096, layers=32, ffn=14336, heads=32, kv_heads=8, vocab=128256, tied=False),
@@ -40,7 +43,13 @@ SHAPES = {
                      vocab=151936, tied=False, context=40960),
     "qwen3-30b-a3b": dict(arch="qwen3moe", hidden=2048, layers=48, ffn=768, heads=32, kv_heads=4, head_dim=128,
                           vocab=151936, tied=False, experts=128, experts_used=8, context=40960),
+    "qwen3.8-27b": dict(arch="qwen35", hidden=5120, layers=64, ffn=17408, heads=24, kv_heads=4, head_dim=256,
+                        rope_dims=64, linear=(16, 48, 128), vocab=248320, tied=False, context=262144),
+    "qwen3.6-35b-a3b": dict(arch="qwen35moe", hidden=2048, layers=40, ffn=512, heads=16, kv_heads=2, head_dim=256,
+                            rope_dims=64, linear=(16, 32, 128), vocab=248320, tied=False, experts=256, experts_used=8,
+                            shared=512, context=262144),
 }
+HYBRIDS = ("qwen35", "qwen35moe")
 ROLES = ("token_embd", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "output")
 Q4_K_M = {role: (T.Q6_K if role in ("attn_v", "ffn_down", "output") else T.Q4_K) for role in ROLES}
 POOL_BYTES = 32 << 20
@@ -102,12 +111,20 @@ def _metadata(w: GGUFWriter, s: dict, head_dim: int, tokenizer: Path | None) -> 
     w.add_value_length(head_dim)
     w.add_rope_freq_base(500000.0 if s.get("arch", "llama") == "llama" else 1000000.0)
     w.add_layer_norm_rms_eps(1e-5 if s.get("arch", "llama") == "llama" else 1e-6)
-    w.add_rope_dimension_count(head_dim)
+    w.add_rope_dimension_count(s.get("rope_dims", head_dim))
     w.add_vocab_size(s["vocab"])
     if "experts" in s:
         w.add_expert_count(s["experts"])
         w.add_expert_used_count(s["experts_used"])
         w.add_expert_feed_forward_length(s["ffn"])
+    if "shared" in s:
+        w.add_expert_shared_feed_forward_length(s["shared"])
+    if "linear" in s:
+        n_k, n_v, d = s["linear"]
+        arch = s["arch"]
+        for key, value in (("ssm.conv_kernel", 4), ("ssm.state_size", d), ("ssm.group_count", n_k),
+                           ("ssm.time_step_rank", n_v), ("ssm.inner_size", n_v * d), ("full_attention_interval", 4)):
+            w.add_uint32(f"{arch}.{key}", value)
     if tokenizer is not None:
         _copied_tokenizer(w, s, tokenizer)
     else:
@@ -175,22 +192,31 @@ def write_model(path: Path, s: dict, qtype: T | dict[str, T], name: str, seed: i
     matrix("token_embd.weight", "token_embd", s["vocab"], hidden)
     for i in range(s["layers"]):
         w.add_tensor(f"blk.{i}.attn_norm.weight", norm)
-        matrix(f"blk.{i}.attn_q.weight", "attn_q", q_dim, hidden)
-        matrix(f"blk.{i}.attn_k.weight", "attn_k", kv, hidden)
-        matrix(f"blk.{i}.attn_v.weight", "attn_v", kv, hidden)
-        matrix(f"blk.{i}.attn_output.weight", "attn_output", hidden, q_dim)
-        if arch != "llama":
-            w.add_tensor(f"blk.{i}.attn_q_norm.weight", np.ones(head_dim, np.float32))
-            w.add_tensor(f"blk.{i}.attn_k_norm.weight", np.ones(head_dim, np.float32))
-        w.add_tensor(f"blk.{i}.ffn_norm.weight", norm)
+        if arch in HYBRIDS and (i + 1) % 4:
+            _deltanet(w, matrix, s, i, rng)
+        else:
+            # A hybrid's gated attention: each head's query rows, then its output gate's, in attn_q.
+            matrix(f"blk.{i}.attn_q.weight", "attn_q", q_dim * (2 if arch in HYBRIDS else 1), hidden)
+            matrix(f"blk.{i}.attn_k.weight", "attn_k", kv, hidden)
+            matrix(f"blk.{i}.attn_v.weight", "attn_v", kv, hidden)
+            matrix(f"blk.{i}.attn_output.weight", "attn_output", hidden, q_dim)
+            if arch != "llama":
+                w.add_tensor(f"blk.{i}.attn_q_norm.weight", np.ones(head_dim, np.float32))
+                w.add_tensor(f"blk.{i}.attn_k_norm.weight", np.ones(head_dim, np.float32))
+        w.add_tensor(f"blk.{i}.{'post_attention_norm' if arch in HYBRIDS else 'ffn_norm'}.weight", norm)
         if "experts" in s:
             e = s["experts"]
-            # The router stays F32, as llama.cpp keeps it.
+            # The routers stay F32, as llama.cpp keeps them.
             w.add_tensor(f"blk.{i}.ffn_gate_inp.weight", (rng.standard_normal((e, hidden), np.float32) * 0.02))
             matrix(f"blk.{i}.ffn_gate_exps.weight", "ffn_gate", e * ffn, hidden, (e, ffn, hidden))
             matrix(f"blk.{i}.ffn_up_exps.weight", "ffn_up", e * ffn, hidden, (e, ffn, hidden))
             matrix(f"blk.{i}.ffn_down_exps.weight", "ffn_down", e * hidden, ffn, (e, hidden, ffn))
-        else:
+        if "shared" in s:
+            matrix(f"blk.{i}.ffn_gate_shexp.weight", "ffn_gate", s["shared"], hidden)
+            matrix(f"blk.{i}.ffn_up_shexp.weight", "ffn_up", s["shared"], hidden)
+            matrix(f"blk.{i}.ffn_down_shexp.weight", "ffn_down", hidden, s["shared"])
+            w.add_tensor(f"blk.{i}.ffn_gate_inp_shexp.weight", rng.standard_normal((1, hidden), np.float32) * 0.02)
+        if "experts" not in s:
             matrix(f"blk.{i}.ffn_gate.weight", "ffn_gate", ffn, hidden)
             matrix(f"blk.{i}.ffn_up.weight", "ffn_up", ffn, hidden)
             matrix(f"blk.{i}.ffn_down.weight", "ffn_down", hidden, ffn)
@@ -201,6 +227,24 @@ def write_model(path: Path, s: dict, qtype: T | dict[str, T], name: str, seed: i
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def _deltanet(w: GGUFWriter, matrix, s: dict, i: int, rng: np.random.Generator) -> None:
+    """A Gated DeltaNet layer's tensors as llama.cpp's converter names them for qwen35 files: the q/k/v projection,
+    the output gate z, beta and alpha (projections typed as the attention's), the F32 convolution, dt_bias, A stored
+    as -exp(A_log), the head norm and the output projection."""
+    hidden = s["hidden"]
+    n_k, n_v, d = s["linear"]
+    conv_dim = 2 * n_k * d + n_v * d
+    matrix(f"blk.{i}.attn_qkv.weight", "attn_q", conv_dim, hidden)
+    matrix(f"blk.{i}.attn_gate.weight", "attn_q", n_v * d, hidden)
+    matrix(f"blk.{i}.ssm_beta.weight", "attn_q", n_v, hidden)
+    matrix(f"blk.{i}.ssm_alpha.weight", "attn_q", n_v, hidden)
+    w.add_tensor(f"blk.{i}.ssm_conv1d.weight", rng.standard_normal((conv_dim, 4), np.float32) * 0.3)
+    w.add_tensor(f"blk.{i}.ssm_dt.bias", rng.standard_normal(n_v, np.float32))
+    w.add_tensor(f"blk.{i}.ssm_a", -np.exp(rng.standard_normal(n_v, np.float32)))
+    w.add_tensor(f"blk.{i}.ssm_norm.weight", np.ones(d, np.float32))
+    matrix(f"blk.{i}.ssm_out.weight", "attn_output", hidden, n_v * d)
 
 
 def main() -> None:

@@ -38,3 +38,23 @@ def test_a_tokenizer_larger_than_the_shape_is_refused(tmp_path, smollm2_gguf):
     shape = dict(hidden=128, layers=1, ffn=256, heads=2, kv_heads=1, vocab=1000, tied=True)
     with pytest.raises(ValueError, match="larger than this shape's"):
         write_model(tmp_path / "synthetic.gguf", shape, T.Q8_0, "synthetic", tokenizer=smollm2_gguf)
+
+
+@pytest.mark.parametrize("arch", ["qwen35", "qwen35moe"])
+def test_hybrid_shapes_load_and_run(tmp_path, arch):
+    """The hybrid shapes' tensors and metadata are what the engine reads from llama.cpp's files: a small one of each
+    family loads (three DeltaNet layers, then gated attention) and gives finite logits."""
+    from bench.make_synthetic_gguf import type_mix
+
+    shape = dict(arch=arch, hidden=256, layers=4, ffn=256, heads=4, kv_heads=1, head_dim=64, rope_dims=16,
+                 linear=(2, 4, 64), vocab=300, tied=False, context=512)
+    if arch == "qwen35moe":
+        shape.update(experts=8, experts_used=2, shared=256)
+    path = tmp_path / f"synthetic-{arch}.gguf"
+    write_model(path, shape, type_mix("Q4_K_M"), "synthetic")
+    model = load_model(path, device="cpu", context_length=64)
+    kinds = model._state.config.mixer_kinds
+    logits, _ = model.prompt_logits(list(range(2, 40)))
+    model.close()
+    assert kinds == ("deltanet", "deltanet", "deltanet", "gated_attention")
+    assert logits.shape == (300,) and np.isfinite(logits).all()
