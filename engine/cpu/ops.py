@@ -85,3 +85,18 @@ def rope_attention_one(q, k, v, cos, sin, neox, k_cache, v_cache, position, out,
                 value = v_cache[g, first + j]
                 for i in range(d):
                     mixed[i] += p * value[i]
+
+
+@njit(**_JIT)
+def glu(gate, up, gelu):
+    """gate = act(gate) * up in place over (n, f) rows: silu, or gelu_tanh when `gelu` (reference.activate's
+    formulas)."""
+    flat_g, flat_u = gate.reshape(-1), up.reshape(-1)
+    for i in range(flat_g.size):
+        g = flat_g[i]
+        if gelu:
+            a = _F(0.5) * g * (_F(1.0) + math.tanh(_F(0.7978845608028654) * (g + _F(0.044715) * g * g * g)))
+        else:
+            a = g / (_F(1.0) + math.exp(-g))
+        flat_g[i] = a * flat_u[i]
+

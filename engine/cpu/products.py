@@ -32,21 +32,25 @@ class Activation:
     sums: np.ndarray  # (n, groups): each group's sum of values (what an offset multiplies)
     half_sums: np.ndarray  # (n, 2, groups): each group's first and last 16 values summed (Q6_K)
     source: np.ndarray  # the x it was made from (a copy)
+    source_address: int  # where that x lay
 
 
 def activation(x: np.ndarray) -> Activation:
     """x: (k,) float32, or (n, k) rows, k a multiple of 32."""
     rows = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, x.shape[-1])
-    return Activation(*dot.quantize_activations(rows), source=x.copy())
+    return Activation(*dot.quantize_activations(rows), source=x.copy(), source_address=x.ctypes.data)
 
 
 _CPUS = os.cpu_count() or 1
 _parallel = True  # until numba finds no thread-safe threading layer on this machine
 
 
+_THREADS = max(1, int(os.environ.get("STRATA_CPU_THREADS") or _CPUS // 2))
+
+
 def threads() -> int:
-    """Threads a product runs on: STRATA_CPU_THREADS when set, else half the cores."""
-    return max(1, int(os.environ.get("STRATA_CPU_THREADS") or _CPUS // 2))
+    """Threads a product runs on: STRATA_CPU_THREADS (read at import) when set, else half the cores."""
+    return _THREADS
 
 
 def matvec(planes: Planes, act: Activation, out: np.ndarray) -> None:

@@ -94,7 +94,8 @@ def activation_for(x: np.ndarray, *weights: CpuWeight) -> products.Activation | 
 def _activation(x: np.ndarray) -> products.Activation:
     """The last activation made on this thread when x has the same values (q, k and v read the same x)."""
     last = getattr(_local, "activation", None)
-    if last is None or not np.array_equal(last.source, x):
+    # Another buffer's values are another activation; only the same buffer is compared value by value.
+    if last is None or last.source_address != x.ctypes.data or not np.array_equal(last.source, x):
         last = _local.activation = products.activation(x)
     return last
 
