@@ -32,13 +32,12 @@ class Activation:
     sums: np.ndarray  # (n, groups): each group's sum of values (what an offset multiplies)
     half_sums: np.ndarray  # (n, 2, groups): each group's first and last 16 values summed (Q6_K)
     source: np.ndarray  # the x it was made from (a copy)
-    source_address: int  # where that x lay
 
 
 def activation(x: np.ndarray) -> Activation:
     """x: (k,) float32, or (n, k) rows, k a multiple of 32."""
     rows = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, x.shape[-1])
-    return Activation(*dot.quantize_activations(rows), source=x.copy(), source_address=x.ctypes.data)
+    return Activation(*dot.quantize_activations(rows), source=x.copy())
 
 
 _CPUS = os.cpu_count() or 1

@@ -94,9 +94,12 @@ def activation_for(x: np.ndarray, *weights: CpuWeight) -> products.Activation | 
 def _activation(x: np.ndarray) -> products.Activation:
     """The last activation made on this thread when x has the same values (q, k and v read the same x)."""
     last = getattr(_local, "activation", None)
-    # Another buffer's values are another activation; only the same buffer is compared value by value.
-    if last is None or last.source_address != x.ctypes.data or not np.array_equal(last.source, x):
+    # Only a view of the buffer the last one came from is compared value by value (q, k and v read the same rows);
+    # any other x is made anew, which is never wrong and skips a comparison that nearly always fails.
+    owner = x if x.base is None else x.base
+    if last is None or _local.owner is not owner or not np.array_equal(last.source, x):
         last = _local.activation = products.activation(x)
+        _local.owner = owner
     return last
 
 
