@@ -113,9 +113,7 @@ class NumpyBackend:
         act = activation_for(x, gate, up)
         product(gate, x, out, act=act)
         product(up, x, scratch, act=act)
-        if activation not in ("silu", "gelu_tanh"):
-            raise EngineError(f"The activation {activation!r} is not supported (silu, gelu_tanh).")
-        ops.glu(out, scratch, activation == "gelu_tanh")
+        ops.apply_glu(out, scratch, activation)
 
     def moe_route(self, router_logits, top_k: int, normalize: bool, weights_out, ids_out) -> None:
         reference.moe_route(router_logits, top_k, normalize, weights_out, ids_out)

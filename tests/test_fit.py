@@ -102,6 +102,11 @@ def test_experts_split_between_gpu_and_ram():
     assert more.ram_bytes - more.ram_required_bytes == half.ram_bytes - half.ram_required_bytes  # the file, read once
     assert "(the experts of 24 layers in RAM)" in half.explanation
     assert half.ram_expert_bytes_per_token == round(half.ram_weights_bytes * 8 / 128)  # 8 of 128 experts a token
+    # The GPU also holds the buffer a long prompt copies one RAM layer's experts into (their CPU layout).
+    assert half.expert_staging_bytes == round(half.ram_weights_bytes / 24)
+    assert half.vram_bytes == (half.gpu_weights_bytes + half.expert_staging_bytes + half.kv_cache_bytes
+                               + half.workspace_bytes + half.gpu_overhead_bytes + half.recurrent_state_bytes)
+    assert estimate_memory(coder, 8192, "gpu", MOE_QUANT).expert_staging_bytes == 0
 
 
 def test_estimate_refuses_impossible_placements():

@@ -15,9 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from engine.cpu import products
+from engine.cpu import ops, products
 from engine.cpu.weights import CpuWeight, activation_for, product
-from engine.kernels import reference
 
 
 def moe_ffn(x: np.ndarray, gate: CpuWeight, up: CpuWeight, down: CpuWeight, ids: np.ndarray, weights: np.ndarray,
@@ -38,8 +37,7 @@ def moe_ffn(x: np.ndarray, gate: CpuWeight, up: CpuWeight, down: CpuWeight, ids:
         hidden, up_out, down_out = (np.empty((len(rows), n), np.float32) for n in (f, f, d))
         product(gate, xe, hidden, expert * f, (expert + 1) * f, act)
         product(up, xe, up_out, expert * f, (expert + 1) * f, act)
-        reference.activate(hidden, activation)
-        hidden *= up_out
+        ops.apply_glu(hidden, up_out, activation)
         product(down, hidden, down_out, expert * d, (expert + 1) * d)
         return rows, down_out * weights[rows, slots, None]
 
@@ -67,7 +65,6 @@ def _one_token(x: np.ndarray, gate: CpuWeight, up: CpuWeight, down: CpuWeight, i
     hidden, up_out, down_out = (np.empty(top_k * n, np.float32) for n in (f, f, d))
     products.expert_products(gate.planes, act, ids, hidden, False, threads)
     products.expert_products(up.planes, act, ids, up_out, False, threads)
-    reference.activate(hidden, activation)
-    hidden *= up_out
+    ops.apply_glu(hidden, up_out, activation)
     products.expert_products(down.planes, products.activation(hidden.reshape(top_k, f)), ids, down_out, True, threads)
     np.matmul(weights, down_out.reshape(top_k, d), out=out)  # weights: float32 (Backend.moe_ffn)

@@ -87,6 +87,13 @@ def rope_attention_one(q, k, v, cos, sin, neox, k_cache, v_cache, position, out,
                     mixed[i] += p * value[i]
 
 
+def apply_glu(gate: np.ndarray, up: np.ndarray, activation: str) -> None:
+    """gate = act(gate) * up in place (contiguous arrays), act "silu" or "gelu_tanh"."""
+    if activation not in ("silu", "gelu_tanh"):
+        raise ValueError(f"unknown activation {activation!r}")
+    glu(gate, up, activation == "gelu_tanh")
+
+
 @njit(**_JIT)
 def glu(gate, up, gelu):
     """gate = act(gate) * up in place over (n, f) rows: silu, or gelu_tanh when `gelu` (reference.activate's
