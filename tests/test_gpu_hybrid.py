@@ -18,7 +18,7 @@ conversation.
 
 import numpy as np
 import pytest
-from gpu_support import require_gpu
+from gpu_support import rel, require_gpu
 
 from conftest import cache_dir
 from engine import GenerationSettings, load_model
@@ -33,10 +33,6 @@ pytestmark = pytest.mark.gpu
 from engine.backend_cupy import CupyBackend  # noqa: E402  (needs CuPy)
 
 
-def rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    assert not np.isnan(a).any(), "NaN in the output: an element was not written"
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def f32(backend, name, values):
@@ -152,16 +148,6 @@ def tiny_hybrid(arch: str, tokenizer_source):
         hf = _build(arch, **GPU_SIZES).eval()
         _randomize(hf)
         write_gguf(hf, arch, path, tokenizer_source, context_length=512, f16=True)
-    return path
-
-
-@pytest.fixture(scope="module")
-def tokenizer_source(request):
-    from gguf_convert import write_tokenizer_gguf
-
-    path = cache_dir() / "smollm2-tokenizer.gguf"
-    if not path.is_file():
-        write_tokenizer_gguf(request.getfixturevalue("smollm2_gguf"), path)
     return path
 
 

@@ -6,7 +6,7 @@ Tolerances (relative error of the whole output): float32 arithmetic 1e-5, fp16 o
 
 import numpy as np
 import pytest
-from gpu_support import require_gpu
+from gpu_support import rel, require_gpu
 from gguf import GGMLQuantizationType as T
 
 from engine import quants
@@ -24,10 +24,6 @@ QUANT_TYPES = list(PLANES)
 ALL_TYPES = QUANT_TYPES + list(FLOAT_TYPES)
 
 
-def rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    assert not np.isnan(a).any(), "NaN in the output: an element was not written or the math broke"
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def poisoned(shape, dtype=np.float32):

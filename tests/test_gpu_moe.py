@@ -13,7 +13,7 @@ reference on float32 activations.
 
 import numpy as np
 import pytest
-from gpu_support import require_gpu
+from gpu_support import rel, require_gpu
 from gguf import GGMLQuantizationType as T
 
 from engine import quants
@@ -27,10 +27,6 @@ pytestmark = pytest.mark.gpu
 from engine.backend_cupy import GROUPED_MIN_SLOTS_PER_EXPERT, STREAM_MIN_TOKENS, CupyBackend  # noqa: E402
 
 
-def rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    assert not np.isnan(a).any(), "NaN in the output: an element was not written"
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def q8_values(x):
@@ -76,6 +72,17 @@ def test_moe_route(n_experts, top_k, normalize):
 MIXES = [(T.Q4_K, T.Q6_K), (T.Q4_0, T.Q8_0), (T.Q5_K, T.Q5_1), (T.F16, T.F16), (T.F32, T.F32)]
 
 
+def run_moe_ffn(backend, handles, x, ids, weights, f):
+    """The backend's moe_ffn on host arrays, into NaN-poisoned output and scratch; the result on the host."""
+    n, top_k = ids.shape
+    with backend.stream:
+        out = cp.full(x.shape, np.nan, cp.float32)
+        scratch = cp.full((n, top_k, 2 * f), np.nan, cp.float32)
+        args = [cp.asarray(a) for a in (x, ids, weights)]
+    backend.moe_ffn(args[0], *handles, *args[1:], out, scratch)
+    return backend.to_host(out)
+
+
 def skewed_routes(n, n_experts, top_k, rng):
     """Expert 0 in every token's choice (n > 64 slots: several tiles), the rest drawn from the first half of the
     experts, so the second half gets no token."""
@@ -96,16 +103,12 @@ def test_moe_ffn(gate_type, down_type, n, routing):
     handles = [backend.upload(t) for t in (gate, up, down)]
     x = rng.standard_normal((n, d)).astype(np.float32)
     ids, weights = routing(n, n_experts, top_k, rng)
-    with backend.stream:
-        out = cp.full((n, d), np.nan, cp.float32)
-        scratch = cp.full((n, top_k, 2 * f), np.nan, cp.float32)
-        args = [cp.asarray(a) for a in (x, ids, weights)]
-    backend.moe_ffn(args[0], *handles, *args[1:], out, scratch)
+    out = run_moe_ffn(backend, handles, x, ids, weights, f)
     want = np.empty((n, d), np.float32)
     quantized = gate_type not in (T.F16, T.F32)
     grouped = n * top_k >= GROUPED_MIN_SLOTS_PER_EXPERT * n_experts and quantized
     reference.moe_ffn(q8_values(x) if quantized and not grouped else x, gate_f, up_f, down_f, ids, weights, want, None)
-    error = rel(backend.to_host(out), want)
+    error = rel(out, want)
     print(f"{gate_type.name}/{down_type.name} n={n}{' grouped' if grouped else ''}: relative error {error:.2e}")
     assert error < (2e-3 if grouped else 1e-4 if quantized else 1e-5)
     backend.close()
@@ -128,14 +131,9 @@ def test_moe_ffn_of_experts_in_ram_streamed_to_the_gpu(gate_type, down_type):
     for handles, floats in layers + layers[:1]:
         x = rng.standard_normal((n, d)).astype(np.float32)
         ids, weights = skewed_routes(n, n_experts, top_k, rng)
-        with backend.stream:
-            out = cp.full((n, d), np.nan, cp.float32)
-            scratch = cp.full((n, top_k, 2 * f), np.nan, cp.float32)
-            args = [cp.asarray(a) for a in (x, ids, weights)]
-        backend.moe_ffn(args[0], *handles, *args[1:], out, scratch)
         want = np.empty((n, d), np.float32)
         reference.moe_ffn(x, *floats, ids, weights, want, None)
-        error = rel(backend.to_host(out), want)
+        error = rel(run_moe_ffn(backend, handles, x, ids, weights, f), want)
         print(f"{gate_type.name}/{down_type.name} n={n} streamed from RAM: relative error {error:.2e}")
         assert error < 2e-3
     backend.close()
