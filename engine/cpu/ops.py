@@ -101,9 +101,12 @@ def glu(gate, up, gelu):
     flat_g, flat_u = gate.reshape(-1), up.reshape(-1)
     for i in range(flat_g.size):
         g = flat_g[i]
+        # Written so nothing overflows: fastmath assumes no infinities (exp(100) would give NaN, not 0).
         if gelu:
-            a = _F(0.5) * g * (_F(1.0) + math.tanh(_F(0.7978845608028654) * (g + _F(0.044715) * g * g * g)))
+            t = min(max(_F(0.7978845608028654) * (g + _F(0.044715) * g * g * g), _F(-20.0)), _F(20.0))
+            a = _F(0.5) * g * (_F(1.0) + math.tanh(t))
         else:
-            a = g / (_F(1.0) + math.exp(-g))
+            e = math.exp(-abs(g))
+            a = g / (_F(1.0) + e) if g >= 0 else g * e / (_F(1.0) + e)
         flat_g[i] = a * flat_u[i]
 
