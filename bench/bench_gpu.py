@@ -234,7 +234,7 @@ def run(path: Path, prompt_len: int, output_len: int, device: str, repeats: int,
     output_tps = output_len / output_s
     floor_tps = BANDWIDTH / per_token
     placement = {}
-    if host_bytes:
+    if host_bytes and backend.name == "cupy":  # on the CPU backend every weight is a CpuWeight
         import cupy
         import psutil
 
