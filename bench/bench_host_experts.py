@@ -4,7 +4,10 @@ part inside the graph. Random Q4_K gate/up and Q6_K down experts of Qwen3-30B-A3
 the weights come from RAM. Needs CuPy and an NVIDIA GPU; one JSON line per measurement. (The 2026-12-02 probe logs
 in bench/results were made by this script's first form, which kept its numbers in the same keys.)
 
-    python bench/bench_host_experts.py [--layers 8] [--threads 16,15,14,12]
+--sync sets how the main thread waits for the stream (CUDA's device schedule flag): a spinning wait takes a core from
+the CPU's products.
+
+    python bench/bench_host_experts.py [--layers 8] [--threads 16,15,14,12] [--sync auto|spin|yield|block]
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from gguf import GGMLQuantizationType as T
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench_cpu_products import random_blocks  # noqa: E402
+from bench.bench_gpu import SCHEDULE  # noqa: E402
 from engine.cpu import experts  # noqa: E402
 from engine.cpu.weights import load  # noqa: E402
 from engine.kernels.host_calls import HostCalls  # noqa: E402
@@ -34,7 +38,9 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--threads", default="16,15,14,12")
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--sync", choices=tuple(SCHEDULE), default="auto")
     args = parser.parse_args()
+    cupy.cuda.runtime.setDeviceFlags(SCHEDULE[args.sync])
     rng = np.random.default_rng(0)
 
     def stacked(qtype: T, rows: int, cols: int):
@@ -71,7 +77,7 @@ def main() -> int:
             t = time.perf_counter()
             layer(r % args.layers)
             times.append(time.perf_counter() - t)
-        print(json.dumps({"threads": threads, "host_call_moe_us_per_layer": round(in_graph * 1e6, 1),
+        print(json.dumps({"sync": args.sync, "threads": threads, "host_call_moe_us_per_layer": round(in_graph * 1e6, 1),
                           "main_thread_moe_us(median,min)": [round(float(np.median(times)) * 1e6, 1),
                                                              round(min(times) * 1e6, 1)]}), flush=True)
     calls.close()

@@ -170,10 +170,11 @@ class Backend(Protocol):
     def synchronize(self) -> None:
         """Wait until all queued work is done (no-op on the CPU)."""
 
-    def compile_step(self, step: Callable[[], None]) -> Callable[[], None]:
-        """Return a callable with the same effect as `step`. `step` must only call ops on fixed buffers
-        (its inputs set with `copy_into` beforehand), so the GPU backend may capture it as a CUDA graph on
-        the first call and replay it afterwards. The NumPy backend returns `step` itself."""
+    def compile_step(self, step: Callable[[], None]) -> Callable[[int], None]:
+        """Return a callable with the same effect as `step`, given the position the step decodes (the GPU
+        backend keeps one graph for shallow positions and one for deep ones). `step` must only call ops on fixed
+        buffers (its inputs set with `copy_into` beforehand), so the GPU backend may capture it as a CUDA graph
+        on the first call and replay it afterwards."""
 
     def close(self) -> None:
         """Free everything this backend allocated. Safe to call twice."""

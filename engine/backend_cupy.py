@@ -113,6 +113,7 @@ class CupyBackend:
         # Prompt-path and sampling scratch, grown as needed outside graphs.
         self._scratch: dict[str, Any] = {}
         self._graphs: list[Any] = []
+        self._deep_decode = False  # the graph being made is for deep positions (compile_step)
         self._id_slots: tuple[np.ndarray, list[Any]] | None = None  # sample_feed's pinned ids and their events
         self._id_next = 0
         self._host_calls: HostCalls | None = None  # made when a layer's experts are placed in RAM
@@ -218,18 +219,21 @@ class CupyBackend:
         if self._host_calls is not None:
             self._host_calls.check()
 
-    def compile_step(self, step: Callable[[], None]) -> Callable[[], None]:
+    def compile_step(self, step: Callable[[], None]) -> Callable[[int], None]:
         """The first call runs `step` directly (compiling kernels and sizing scratch), then captures it as a CUDA
         graph whose kernels overlap their predecessors' tails (K.programmatic_launches); later calls replay the
-        graph: one launch per decode step, no host synchronization in it."""
-        graph: list[Any] = []
+        graph: one launch per decode step, no host synchronization in it. Deep positions (K.deep_decode) get a
+        graph of their own, whose decode attention splits the keys of each KV head over the GPU."""
+        graphs: dict[bool, Any] = {}
 
-        def run() -> None:
+        def run(position: int) -> None:
             # The graph reuses only int8 groups its own kernels made; its replays write where Q8Sets cannot see.
             self._q8_holds.forget()
-            if graph:
-                graph[0].launch(self.stream)
+            deep = K.deep_decode(position)
+            if deep in graphs:
+                graphs[deep].launch(self.stream)
                 return
+            self._deep_decode = deep
             with self.stream:
                 step()
                 self._q8_holds.forget()
@@ -239,7 +243,7 @@ class CupyBackend:
                         step()
                 finally:
                     captured = self.stream.end_capture()
-            graph.append(captured)
+            graphs[deep] = captured
             self._graphs.append(captured)
 
         return run
@@ -490,7 +494,7 @@ class CupyBackend:
         kc, vc, neox = cache.k[layer], cache.v[layer], style == ROPE_NEOX
         n, n_heads, hd = q.shape
         n_kv, max_tokens = kc.shape[0], kc.shape[1]
-        form = K.decode_attention_form(n_heads, n_kv, max_tokens) if n == 1 else None
+        form = K.decode_attention_form(n_heads, n_kv, max_tokens, self._deep_decode) if n == 1 else None
         if form == "split":  # blocks of a KV head's whole group and a split of its keys, merged by the last
             splits = K.decode_splits(max_tokens, n_kv)
             part = self._decode_buffer("attn_split_part", n_heads * splits * (hd + 2), cupy.float32)

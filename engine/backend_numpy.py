@@ -73,13 +73,13 @@ class NumpyBackend:
     def synchronize(self) -> None:
         return None
 
-    def compile_step(self, step: Callable[[], None]) -> Callable[[], None]:
-        """The decode step on fewer BLAS threads: its products are matrix-vector and memory-bound, and OpenBLAS
+    def compile_step(self, step: Callable[[], None]) -> Callable[[int], None]:
+        """The decode step (at any position) on fewer BLAS threads: its products are matrix-vector and memory-bound, and OpenBLAS
         threads that spin-wait collapse when other programs share the cores (20 vs 2 tokens/s measured on a busy
         2-core machine). Prompt chunks, which are compute-bound, keep every thread."""
         threads = max(1, (os.cpu_count() or 2) // 2)
 
-        def limited_step() -> None:
+        def limited_step(position: int) -> None:
             with threadpool_limits(limits=threads, user_api="blas"):
                 step()
 

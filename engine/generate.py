@@ -61,7 +61,7 @@ class ModelState:
     cache: KVCache | RecurrentCache
     backend: Backend
     cached: CachedTokens
-    decode_step: Callable[[], None]  # forward of ws.tokens[:1] at ws.start, possibly a replayed CUDA graph
+    decode_step: Callable[[int], None]  # forward of ws.tokens[:1] at ws.start (given), possibly a replayed CUDA graph
 
 
 def run_chunk(state: ModelState, tokens: list[int], start: int, logits_out=None):
@@ -110,7 +110,7 @@ def decode_one_token(state: ModelState, token: int):
     ws = state.workspace
     _begin_at(state, len(state.cached))
     state.backend.copy_into(ws.ids[:2], np.asarray([len(state.cached), token], dtype=np.int32))
-    state.decode_step()
+    state.decode_step(len(state.cached))
     state.cached.append([token])
     return ws.logits[0]
 
@@ -129,7 +129,7 @@ def sampled_tokens(state: ModelState, sampler: Sampler, logits, limit: int) -> I
         more = n + 1 < limit and len(cached) < cached.capacity
         queued = more and ahead
         if queued:
-            state.decode_step()
+            state.decode_step(len(cached))
             following = sampler.feed(ws.logits[0], ws.ids, len(cached) + 1)
         token = pending()
         if queued:
@@ -138,7 +138,7 @@ def sampled_tokens(state: ModelState, sampler: Sampler, logits, limit: int) -> I
         if not more:
             return
         if not queued:
-            state.decode_step()
+            state.decode_step(len(cached))
             cached.append([token])
             following = sampler.feed(ws.logits[0], ws.ids, len(cached))
         pending = following

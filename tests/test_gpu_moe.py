@@ -164,7 +164,7 @@ def test_moe_ffn_decode_replays_in_a_graph_with_new_expert_ids():
             backend.copy_into(dst, src)
         with backend.stream:
             out.fill(np.nan)
-        run()
+        run(0)
         normed = np.empty_like(xv)
         reference.rms_norm(xv, np.ones(d, np.float32), 1e-6, normed)
         want = np.empty((1, d), np.float32)

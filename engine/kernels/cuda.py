@@ -557,6 +557,9 @@ def attention_decode(q, k, v, cos, sin, neox: bool, k_cache, v_cache, start, out
 SPLIT_MIN_KEYS, MAX_SPLITS = 128, 64  # attention.cu: fewest keys a decode split takes, most splits a merge reads
 SPLIT_BLOCKS_PER_SM = 2
 SPLIT_CONTEXT = 8192  # before sm_90: caches from this many positions decode with attention_decode_split
+# sm_90: decode steps from this position on take attention_decode_split. The cluster kernel took 14.4 us against
+# 23.2 at 2,047 keys and 49.6 against 37.2 at 7,680 (8B shape, H200): the two meet near 4.4K.
+DEEP_DECODE_KEYS = 4096
 
 
 def decode_splits(max_tokens: int, n_kv: int) -> int:
@@ -566,13 +569,19 @@ def decode_splits(max_tokens: int, n_kv: int) -> int:
     return max(1, min(MAX_SPLITS, _blocks(max_tokens, SPLIT_MIN_KEYS), _blocks(SPLIT_BLOCKS_PER_SM * sms, n_kv)))
 
 
-def decode_attention_form(n_heads: int, n_kv: int, max_tokens: int) -> str:
-    """Which kernel a decode step's attention runs: "cluster" (attention_decode, sm_90+), else "split"
-    (attention_decode_split, GQA groups of at most 8 query heads) for caches of at least SPLIT_CONTEXT positions,
-    else "partial" (attention's two-kernel form)."""
+def deep_decode(position: int) -> bool:
+    """Whether a decode step at this position wants its own graph, with the deep form of decode attention."""
+    return cluster_decode_attention() and position >= DEEP_DECODE_KEYS
+
+
+def decode_attention_form(n_heads: int, n_kv: int, max_tokens: int, deep: bool) -> str:
+    """Which kernel a decode step's attention runs: "split" (attention_decode_split, GQA groups of at most 8 query
+    heads) for a deep step on sm_90+ (deep_decode) or, before sm_90, for caches of at least SPLIT_CONTEXT
+    positions; else "cluster" (attention_decode, sm_90+) or "partial" (attention's two-kernel form)."""
+    splittable = n_heads // n_kv <= 8
     if cluster_decode_attention():
-        return "cluster"
-    return "split" if n_heads // n_kv <= 8 and max_tokens >= SPLIT_CONTEXT else "partial"
+        return "split" if deep and splittable else "cluster"
+    return "split" if splittable and max_tokens >= SPLIT_CONTEXT else "partial"
 
 
 def attention_decode_split(q, k, v, cos, sin, neox: bool, k_cache, v_cache, start, out, scale: float, window: int,
