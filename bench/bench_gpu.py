@@ -11,13 +11,10 @@ position 8,192 on. --attention chunk sends prompt chunks through attention.cu's 
 attention (the before of a comparison); --decode-attention forces decode attention's kernel. --experts-in-ram N
 keeps the routed experts of the first N MoE layers in RAM (the CPU computes them); the line then adds the bytes of
 those experts a token reads, this machine's host read bandwidth (measured here) and the fraction of that floor
-reached, and the GPU memory in use (total minus free, as NVML counts it) and the process's resident RAM. --sync sets
-how a host thread waiting for the GPU waits (CUDA's device schedule flag: spin, yield or block), before anything
-touches the GPU; by default the driver chooses.
+reached, and the GPU memory in use (total minus free, as NVML counts it) and the process's resident RAM.
 
 Usage: python bench/bench_gpu.py MODEL.gguf [MODEL.gguf ...] [--prompt 512] [--output 128] [--device cuda]
        [--repeats 5] [--attention flash|chunk] [--decode-attention auto|cluster|split] [--experts-in-ram N]
-       [--sync auto|spin|yield|block]
 """
 
 from __future__ import annotations
@@ -39,7 +36,6 @@ from engine.cpu.weights import CpuWeight  # noqa: E402
 from engine.generate import prefill, sampled_tokens  # noqa: E402
 from engine.sampler import Sampler  # noqa: E402
 
-SCHEDULE = {"auto": 0, "spin": 1, "yield": 2, "block": 4}  # cudaDeviceSchedule* flags
 BANDWIDTH = 4.3e12  # bytes/s, device-to-device copy measured on an H200 (shared/reference/engine-anchors.md)
 GREEDY = GenerationSettings(temperature=0.0).sampling()
 
@@ -298,15 +294,9 @@ def main() -> None:
                         help="decode attention's kernel on a GPU (cuda.decode_attention_form picks by default)")
     parser.add_argument("--experts-in-ram", type=int, default=0,
                         help="MoE layers whose routed experts stay in RAM, computed by the CPU (the first N)")
-    parser.add_argument("--sync", choices=tuple(SCHEDULE), default="auto",
-                        help="how a host thread waits for the GPU (CUDA's device schedule flag)")
     args = parser.parse_args()
     if args.device == "cuda":
-        import cupy
-
         from engine.kernels import cuda
-
-        cupy.cuda.runtime.setDeviceFlags(SCHEDULE[args.sync])
 
         if args.attention == "chunk":
             cuda.flash_attention_capable = lambda n_heads, n_kv: False
@@ -314,8 +304,7 @@ def main() -> None:
             cuda.decode_attention_form = lambda n_heads, n_kv, max_tokens, deep: args.decode_attention
     for path in args.models:
         result = run(path, args.prompt, args.output, args.device, args.repeats, args.experts_in_ram)
-        print(json.dumps({**result, "prompt_attention": args.attention, "decode_attention": args.decode_attention,
-                          "sync": args.sync}),
+        print(json.dumps({**result, "prompt_attention": args.attention, "decode_attention": args.decode_attention}),
               flush=True)
 
 

@@ -4,8 +4,8 @@ part inside the graph. Random Q4_K gate/up and Q6_K down experts of Qwen3-30B-A3
 the weights come from RAM. Needs CuPy and an NVIDIA GPU; one JSON line per measurement. (The 2026-12-02 probe logs
 in bench/results were made by this script's first form, which kept its numbers in the same keys.)
 
---sync sets how the main thread waits for the stream (CUDA's device schedule flag): a spinning wait takes a core from
-the CPU's products.
+--sync sets how the main thread waits for the stream (CUDA's schedule flag; the engine's HostCalls block): a spinning
+wait takes a core from the CPU's products.
 
     python bench/bench_host_experts.py [--layers 8] [--threads 16,15,14,12] [--sync auto|spin|yield|block]
 """
@@ -25,12 +25,12 @@ from gguf import GGMLQuantizationType as T
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench_cpu_products import random_blocks  # noqa: E402
-from bench.bench_gpu import SCHEDULE  # noqa: E402
 from engine.cpu import experts  # noqa: E402
 from engine.cpu.weights import load  # noqa: E402
-from engine.kernels.host_calls import HostCalls  # noqa: E402
+from engine.kernels.host_calls import HostCalls, set_schedule  # noqa: E402
 
 E, F, D, K = 128, 768, 2048, 8
+SCHEDULE = {"auto": 0, "spin": 1, "yield": 2, "block": 4}  # CU_CTX_SCHED_* flags
 
 
 def main() -> int:
@@ -40,7 +40,6 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--sync", choices=tuple(SCHEDULE), default="auto")
     args = parser.parse_args()
-    cupy.cuda.runtime.setDeviceFlags(SCHEDULE[args.sync])
     rng = np.random.default_rng(0)
 
     def stacked(qtype: T, rows: int, cols: int):
@@ -55,6 +54,8 @@ def main() -> int:
     out = np.empty((1, D), np.float32)
     ids = [np.sort(rng.choice(E, K, replace=False)).astype(np.int32)[None] for _ in range(args.layers)]
     stream, calls = cupy.cuda.Stream(non_blocking=True), HostCalls()
+    if not set_schedule(SCHEDULE[args.sync]):  # after HostCalls, which sets its own
+        raise RuntimeError(f"the driver refused the schedule flag {args.sync}")
     for threads in (int(n) for n in args.threads.split(",")):
         def layer(i: int, threads: int = threads) -> None:
             experts.moe_ffn(x, *layers[i], ids[i], mix, out, "silu", threads)

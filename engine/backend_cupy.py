@@ -161,7 +161,7 @@ class CupyBackend:
         # plain float32 values, read by the ops that take them.
         if len(shape) == 1 or (tensor.qtype == quants.T.F32 and shape[-1] % 32):
             values = quants.dequantize(tensor.raw, tensor.qtype, shape).astype(np.float32)
-            return self._hold(K.GpuWeight(tensor.name, shape, quants.T.F32, cupy.asarray(values), ()))
+            return self._hold(K.GpuWeight(tensor.name, shape, quants.T.F32, K.to_device(values), ()))
         # 3-D tensors are the stacked experts of a mixture of experts: whole rows, so stored like a matrix.
         if not supported(tensor.qtype) or len(shape) not in (2, 3):
             raise EngineError(
@@ -180,8 +180,8 @@ class CupyBackend:
     @_op()
     def rope_table(self, inv_freq: np.ndarray, max_positions: int, attn_factor: float = 1.0) -> RopeTable:
         angles = np.outer(np.arange(max_positions, dtype=np.float64), inv_freq.astype(np.float64))
-        cos = cupy.asarray((np.cos(angles) * attn_factor).astype(np.float32))
-        sin = cupy.asarray((np.sin(angles) * attn_factor).astype(np.float32))
+        cos = K.to_device((np.cos(angles) * attn_factor).astype(np.float32))
+        sin = K.to_device((np.sin(angles) * attn_factor).astype(np.float32))
         return self._hold(RopeTable(cos, sin))
 
     @_op()

@@ -1,5 +1,6 @@
 """The GPU backend against the CPU backend on tiny random Llama models of every weight type (needs CuPy and a
-GPU): prompt-chunk logits, and the captured decode graph replayed at successive positions."""
+GPU): prompt-chunk logits, the captured decode graph replayed at successive positions, and what a load leaves in
+page-locked memory."""
 
 import sys
 from pathlib import Path
@@ -42,3 +43,18 @@ def test_gpu_backend_matches_cpu_backend(tmp_path, qtype):
         assert np.abs(a - b).max() < 2e-2 * spread
     gpu.close()
     cpu.close()
+
+
+def test_loading_a_model_leaves_no_page_locked_staging_behind(tmp_path):
+    """Uploads copy from where the weights lie: CuPy's pool of page-locked staging buffers keeps every size it is
+    asked for, which grew a 30B-A3B process by 6.8 GB."""
+    path = tmp_path / "tiny.gguf"
+    write_model(path, TINY, T.Q4_K, "tiny", seed=1)
+    pool = cp.get_default_pinned_memory_pool()
+    pool.free_all_blocks()
+    model = load_model(path, device="cuda", context_length=64)
+    try:
+        model.prompt_logits([5, 6, 7])
+        assert pool.n_free_blocks() == 0
+    finally:
+        model.close()

@@ -113,7 +113,7 @@ def test_deep_decode_attention_splits_the_keys_and_matches_the_cluster_kernel(tm
     attention_decode_split; their logits equal the cluster kernel's (every step on the shallow graph) within fp16
     rounding, on the step that captures the deep graph and on a replay of it."""
     path = tmp_path / "tiny.gguf"
-    shape = dict(hidden=256, layers=2, ffn=768, heads=8, kv_heads=2, vocab=1000, tied=False)
+    shape = dict(hidden=256, layers=2, ffn=768, heads=4, kv_heads=2, vocab=1000, tied=False)
     write_model(path, shape, T.Q8_0, "tiny", seed=int(np.random.default_rng().integers(1 << 30)))
     ids = np.random.default_rng().integers(2, 1000, K.DEEP_DECODE_KEYS + 6).tolist()
     split_launches = []

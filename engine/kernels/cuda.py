@@ -152,13 +152,22 @@ class GpuWeight:
         return self.planes if self.quantized else (self.data,)
 
 
+def to_device(host: np.ndarray) -> Any:
+    """A device copy of a host array, copied from where it lies. (cupy.asarray stages through CuPy's pool of
+    page-locked buffers, which keeps every size it was asked for: loading a 30B-A3B model left 6.8 GB of them.)"""
+    host = np.ascontiguousarray(host)
+    data = cupy.empty(host.shape, host.dtype)
+    data.set(host)
+    return data
+
+
 def upload_weight(name: str, qtype: T, shape: tuple[int, ...], raw: np.ndarray) -> GpuWeight:
     """Copy a tensor's GGUF bytes to the device (quantized blocks regrouped into planes, nothing expanded)."""
     if qtype in FLOAT_TYPES:
-        data = cupy.asarray(np.asarray(raw).view(FLOAT_TYPES[qtype]).reshape(shape))
+        data = to_device(np.asarray(raw).view(FLOAT_TYPES[qtype]).reshape(shape))
         return GpuWeight(name, tuple(shape), qtype, data, (data,))
     buf, layout = to_planar(raw, qtype)
-    data = cupy.asarray(buf)
+    data = to_device(buf)
     views = {p: data[o : o + n] for p, (o, n) in layout.offsets.items()}
     planes = tuple(views.get(p, views["q"]) for p in PLANE_ORDER)
     return GpuWeight(name, tuple(shape), qtype, data, planes)

@@ -18,14 +18,36 @@ from typing import Callable
 _CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 
 
+# CUDA's primary-context schedule flags (CU_CTX_SCHED_*): how a host thread waits for the GPU.
+SCHEDULE_AUTO, SCHEDULE_BLOCKING = 0, 4
+
+
+def _driver() -> ctypes.CDLL:
+    return ctypes.CDLL("nvcuda.dll" if os.name == "nt" else "libcuda.so.1")
+
+
+def set_schedule(flag: int) -> bool:
+    """Set how host threads wait for the current GPU; False where the driver refuses (older drivers do once the
+    context is live), which leaves the schedule as it was."""
+    driver, device = _driver(), ctypes.c_int()
+    if driver.cuCtxGetDevice(ctypes.byref(device)):
+        return False
+    return driver.cuDevicePrimaryCtxSetFlags_v2(device, ctypes.c_uint(flag)) == 0
+
+
 class HostCalls:
     """A table of jobs a stream can call. The driver's callback thread hands each job to a worker thread of ours and
     waits for it: OpenMP threads started from the driver's thread ran the CPU's expert products at half the speed
     they reach from a thread of ours (H200 machine, 1,138 against 582-713 us a layer). A job's exception is kept
-    (the driver cannot take it) and raised by `check`, which the backend calls wherever it waits for the stream."""
+    (the driver cannot take it) and raised by `check`, which the backend calls wherever it waits for the stream.
+
+    While a table exists, threads waiting for the GPU sleep instead of spinning (SCHEDULE_BLOCKING): the jobs' CPU
+    products use every core, and a spinning wait on one of them stalled them all (16 threads: 12.1 ms a layer against
+    0.96 ms blocking; H200 machine, bench/bench_host_experts.py)."""
 
     def __init__(self) -> None:
-        driver = ctypes.CDLL("nvcuda.dll" if os.name == "nt" else "libcuda.so.1")
+        set_schedule(SCHEDULE_BLOCKING)
+        driver = _driver()
         self._launch = driver.cuLaunchHostFunc
         self._launch.argtypes = [ctypes.c_void_p, _CALLBACK, ctypes.c_void_p]
         self._launch.restype = ctypes.c_int
@@ -68,5 +90,6 @@ class HostCalls:
             raise error
 
     def close(self) -> None:
-        """End the worker (after the stream has finished its calls)."""
+        """End the worker (after the stream has finished its calls) and let waits spin again."""
         self._todo.put(None)
+        set_schedule(SCHEDULE_AUTO)
