@@ -24,9 +24,10 @@ MAX_PROMPT_CHUNK = 512
 # The GPU prompt path dequantizes one weight (or a row slice of a larger one) to this many fp16 values of scratch.
 DEQUANT_SCRATCH_ELEMENTS = 64 * 2**20
 # KV cache element types: fp16 on the GPU; float32 on the CPU, exact with respect to its float32 activations.
-# Threads the CPU computes the experts kept in RAM with, while the GPU waits for them: every core but one, which the
-# thread waiting on the stream keeps busy (H200 machine, 16 cores, one layer's experts from a host call: 884 us on 15
-# threads, 1,023 on 14, 1,101 on 12; 16 collided with that thread; bench/results/2026-12-02_ram_*).
+# Threads the CPU computes the experts kept in RAM with, while the GPU waits for them: every core but one (H200
+# machine, 16 cores, one layer's experts from a host call: 884 us on 15 threads, 1,023 on 14, 1,101 on 12, while the
+# thread waiting on the stream spun; bench/results/2026-12-02_ram_*). That thread now sleeps (host_calls.HostCalls),
+# and a probe then gave 957 us on 16 threads against 1,091 on 15, but no whole-model run on 16 has finished yet.
 HOST_EXPERT_THREADS = int(os.environ.get("STRATA_CPU_THREADS") or max(1, (os.cpu_count() or 2) - 1))
 # The CPU kernels' layout (engine/cpu/layout.py) keeps float32 group scales: Q4_0 and Q4_K take 4/3 of their file
 # bytes, Q6_K 1.22, Q8_0 1.06 (tests/test_cpu_kernels.py holds each type to its ratio); the fit counts experts kept in
