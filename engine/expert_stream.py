@@ -27,20 +27,17 @@ def _padded(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
 
-def _arrays(planes: layout.Planes) -> tuple[np.ndarray, ...]:
-    return planes.lo, planes.hi, planes.d, planes.m
-
-
 def span(planes: layout.Planes) -> int:
     """Bytes of the pinned buffer `pin` puts these planes in (and of their copy on the device)."""
-    return sum(_padded(a.nbytes) for a in _arrays(planes))
+    return sum(_padded(a.nbytes) for a in planes.arrays())
 
 
 def pin(planes: layout.Planes) -> layout.Planes:
-    """The same planes in one page-locked buffer, one after another at ALIGN boundaries, lo first."""
+    """The same planes in one page-locked buffer, one after another at ALIGN boundaries, in Planes.arrays()'s
+    order (an empty one takes no room)."""
     buffer = cupyx.empty_pinned(span(planes), np.uint8)
     views, at = [], 0
-    for a in _arrays(planes):
+    for a in planes.arrays():
         view = buffer[at : at + a.nbytes].view(a.dtype).reshape(a.shape)
         view[...] = a
         views.append(view)
@@ -50,9 +47,8 @@ def pin(planes: layout.Planes) -> layout.Planes:
 
 def suffix(planes: layout.Planes) -> str:
     """The grouped kernels' name for this layout (kernel_names.HOST_LAYOUTS)."""
-    if planes.family == "nibble":
-        return "cpu_nibble5" if planes.hi.shape[1] else "cpu_nibble"
-    return f"cpu_{planes.family}"
+    fifth_bits = planes.family in ("nibble", "nibble_k") and planes.hi.shape[1] > 0
+    return "cpu_" + (planes.family.replace("nibble", "nibble5") if fifth_bits else planes.family)
 
 
 def streamable(weights: Sequence[CpuWeight]) -> bool:
@@ -99,8 +95,10 @@ class ExpertStream:
             base = self.buffer.data.ptr + at
             cupy.cuda.runtime.memcpyAsync(base, w.planes.lo.ctypes.data, span(w.planes),
                                           cupy.cuda.runtime.memcpyHostToDevice, self.copy.ptr)
-            offsets = np.cumsum([0] + [_padded(a.nbytes) for a in _arrays(w.planes)])
-            lo, hi, d, m = (np.uintp(base + int(o)) for o in offsets[:4])
-            self.holds[id(w)] = StagedWeight(w.shape, suffix(w.planes), (lo, hi, m, d))
+            offsets = np.cumsum([0] + [_padded(a.nbytes) for a in w.planes.arrays()])
+            lo, hi, d, m, sup = (np.uintp(base + int(o)) for o in offsets[:5])
+            # The kernels' s plane: the offsets of "nibble", the super-block scales of the K-quant families.
+            s = sup if w.planes.sup.size else m
+            self.holds[id(w)] = StagedWeight(w.shape, suffix(w.planes), (lo, hi, s, d))
             at += span(w.planes)
         self.copy.record(self.copied)

@@ -113,12 +113,15 @@ def _splat(builder, value):
     return _shuffle(builder, v, v, [0] * 8)
 
 
-# family: (bytes a group in lo, bytes a group in hi, scales a group, signed quants)
-FAMILIES = {"nibble": (16, 0, 1, False), "nibble5": (16, 4, 1, False), "q8": (32, 0, 1, True), "q6k": (16, 8, 2, False)}
+# family: (bytes a group in lo, bytes a group in hi, scales a group, signed quants, K-quant scales). A K-quant
+# family's d holds two bytes a group (nibble_k: the 6-bit scale, then the min; q6k: the int8 scale of each half) and
+# its sup the float32 super-block scales (nibble_k: d and dmin; q6k: d) of every 8 groups.
+FAMILIES = {"nibble": (16, 0, 1, False, False), "nibble5": (16, 4, 1, False, False), "q8": (32, 0, 1, True, False),
+            "nibble_k": (16, 0, 1, False, True), "nibble5_k": (16, 4, 1, False, True), "q6k": (16, 8, 2, False, True)}
 
 
 def _group_halves(builder, family, lo_p, hi_p, group, x):
-    lo_bytes, hi_bytes, _, signed = FAMILIES[family]
+    lo_bytes, hi_bytes, _, signed, _ = FAMILIES[family]
     lo_at = builder.mul(group, _I64(lo_bytes))
     _prefetch(builder, lo_p, lo_at)
     lo = _load(builder, lo_p, lo_at, lo_bytes)
@@ -127,16 +130,32 @@ def _group_halves(builder, family, lo_p, hi_p, group, x):
     u = _nibbles(builder, lo)
     if hi_bytes:
         hi = _load(builder, hi_p, builder.mul(group, _I64(hi_bytes)), hi_bytes)
-        u = builder.or_(u, _fifth_bits(builder, hi) if family == "nibble5" else _two_high_bits(builder, hi))
+        u = builder.or_(u, _fifth_bits(builder, hi) if hi_bytes == 4 else _two_high_bits(builder, hi))
     return _halves(builder, u, x, False)
 
 
-def _row_codegen(family):
-    scales = FAMILIES[family][2]
+def _group_scales(builder, family, d_p, sup_p, group):
+    """The float scales of a group's values (one, or one per half)."""
+    _, _, scales, _, k_quant = FAMILIES[family]
+    if not k_quant:
+        return [builder.load(builder.gep(d_p, [builder.add(builder.mul(group, _I64(scales)), _I64(s))]))
+                for s in range(scales)]
+    # The super-block's d times the group's 8-bit scale: uint8 for nibble_k, int8 for q6k.
+    d_p = builder.bitcast(d_p, _I8.as_pointer())
+    sup_at = builder.lshr(group, _I64(3))
+    if family != "q6k":
+        sup_at = builder.mul(sup_at, _I64(2))
+    sup = builder.load(builder.gep(sup_p, [sup_at]))
+    to_float = builder.sitofp if family == "q6k" else builder.uitofp
+    return [builder.fmul(sup, to_float(builder.load(builder.gep(d_p, [builder.add(builder.mul(group, _I64(2)), _I64(s))])),
+                                       _F32), flags=_FAST) for s in range(scales)]
 
+
+def _row_codegen(family):
     def codegen(context, builder, sig, args):
-        lo_p, hi_p, d_p, x_p, dx_p = (context.make_array(t)(context, builder, a).data for t, a in zip(sig.args[:5], args[:5]))
-        row, groups = args[5], args[6]
+        lo_p, hi_p, d_p, sup_p, x_p, dx_p = (context.make_array(t)(context, builder, a).data
+                                             for t, a in zip(sig.args[:6], args[:6]))
+        row, groups = args[6], args[7]
         acc = cgutils.alloca_once_value(builder, ir.Constant(_vec(_F32, 8), [0.0] * 8))
         x_p = builder.bitcast(x_p, _I8.as_pointer())
         with cgutils.for_range(builder, groups) as loop:
@@ -145,10 +164,9 @@ def _row_codegen(family):
             x = builder.load(builder.bitcast(builder.gep(x_p, [builder.mul(b, _I64(64))]), _vec(_I16, 32).as_pointer()), align=1)
             first, second = _group_halves(builder, family, lo_p, hi_p, group, x)
             dx = builder.load(builder.gep(dx_p, [b]))
-            d = [builder.fmul(builder.load(builder.gep(d_p, [builder.add(builder.mul(group, _I64(scales)), _I64(s))])),
-                              dx, flags=_FAST) for s in range(scales)]
+            d = [builder.fmul(scale, dx, flags=_FAST) for scale in _group_scales(builder, family, d_p, sup_p, group)]
             total = builder.load(acc)
-            if scales == 1:
+            if len(d) == 1:
                 parts = [(builder.add(first, second), d[0])]
             else:
                 parts = [(first, d[0]), (second, d[1])]
@@ -164,14 +182,16 @@ def _row_codegen(family):
 
 def _row_intrinsic(family):
     @intrinsic
-    def row_dot(typingctx, lo, hi, d, xq, dx, row, groups):
-        """Row `row`'s scaled group products, summed (the groups' offsets excluded)."""
-        return types.float32(lo, hi, d, xq, dx, types.int64, types.int64), _row_codegen(family)
+    def row_dot(typingctx, lo, hi, d, sup, xq, dx, row, groups):
+        """Row `row`'s scaled group products, summed (the groups' offsets excluded); `sup` is read by the K-quant
+        families only."""
+        return types.float32(lo, hi, d, sup, xq, dx, types.int64, types.int64), _row_codegen(family)
 
     return row_dot
 
 
-_NIBBLE, _NIBBLE5, _Q8, _Q6K = (_row_intrinsic(family) for family in ("nibble", "nibble5", "q8", "q6k"))
+_NIBBLE, _NIBBLE5, _NIBBLE_K, _NIBBLE5_K, _Q8, _Q6K = (
+    _row_intrinsic(family) for family in ("nibble", "nibble5", "nibble_k", "nibble5_k", "q8", "q6k"))
 
 
 _JIT = dict(nogil=True, fastmath=set(_FAST), cache=not _PORTABLE, error_model="numpy", boundscheck=False)
@@ -223,27 +243,50 @@ def nibble_rows(lo, hi, d, m, xq, dx, xs, out, r0, r1):
         for b in range(groups):
             offset += m[r, b] * xs[b]
         if five:
-            out[r - r0] = _NIBBLE5(lo, hi, d, xq, dx, r, groups) + offset
+            out[r - r0] = _NIBBLE5(lo, hi, d, d, xq, dx, r, groups) + offset
         else:
-            out[r - r0] = _NIBBLE(lo, hi, d, xq, dx, r, groups) + offset
+            out[r - r0] = _NIBBLE(lo, hi, d, d, xq, dx, r, groups) + offset
+
+
+@njit(**_JIT)
+def nibble_k_rows(lo, hi, d, sup, xq, dx, xs, out, r0, r1):
+    """value = (sup d) scale (nibble | fifth bit << 4) - (sup dmin) min, d (rows, 2 groups) a group's 6-bit scale
+    and min, sup (rows, groups / 8, 2) a super-block's d and dmin."""
+    groups = dx.shape[0]
+    five = hi.shape[1] > 0
+    for r in range(r0, r1):
+        offset = _F(0)
+        for s in range(groups >> 3):
+            mins = _F(0)
+            for b in range(8 * s, 8 * s + 8):
+                mins += _F(d[r, 2 * b + 1]) * xs[b]
+            offset += sup[r, s, 1] * mins
+        if five:
+            out[r - r0] = _NIBBLE5_K(lo, hi, d, sup, xq, dx, r, groups) - offset
+        else:
+            out[r - r0] = _NIBBLE_K(lo, hi, d, sup, xq, dx, r, groups) - offset
 
 
 @njit(**_JIT)
 def q8_rows(q, d, xq, dx, out, r0, r1):
     """value = d q, q int8."""
     for r in range(r0, r1):
-        out[r - r0] = _Q8(q, q, d, xq, dx, r, dx.shape[0])
+        out[r - r0] = _Q8(q, q, d, d, xq, dx, r, dx.shape[0])
 
 
 @njit(**_JIT)
-def q6k_rows(lo, hi, d, xq, dx, halves, out, r0, r1):
-    """value = d[half] ((nibble | two high bits << 4) - 32); d (rows, 2 groups), a scale per 16 values."""
+def q6k_rows(lo, hi, d, sup, xq, dx, halves, out, r0, r1):
+    """value = sup d[half] ((nibble | two high bits << 4) - 32); d (rows, 2 groups) int8, a scale per 16 values,
+    sup (rows, groups / 8) a super-block's d."""
     groups = dx.shape[0]
     for r in range(r0, r1):
         offset = _F(0)
-        for b in range(groups):
-            offset += d[r, 2 * b] * halves[0, b] + d[r, 2 * b + 1] * halves[1, b]
-        out[r - r0] = _Q6K(lo, hi, d, xq, dx, r, groups) - _F(32) * offset
+        for s in range(groups >> 3):
+            part = _F(0)
+            for b in range(8 * s, 8 * s + 8):
+                part += _F(d[r, 2 * b]) * halves[0, b] + _F(d[r, 2 * b + 1]) * halves[1, b]
+            offset += sup[r, s] * part
+        out[r - r0] = _Q6K(lo, hi, d, sup, xq, dx, r, groups) - _F(32) * offset
 
 
 # Row blocks of one product run on numba's thread pool, which must take calls from any Python thread (the MCP tools
@@ -264,6 +307,13 @@ def nibble_ranges(lo, hi, d, m, xq, dx, xs, out, ranges):
 
 
 @njit(parallel=True, **_JIT)
+def nibble_k_ranges(lo, hi, d, sup, xq, dx, xs, out, ranges):
+    for i in prange(ranges.shape[0]):
+        r0, r1, o, a = ranges[i, 0], ranges[i, 1], ranges[i, 2], ranges[i, 3]
+        nibble_k_rows(lo, hi, d, sup, xq[a], dx[a], xs[a], out[o : o + r1 - r0], r0, r1)
+
+
+@njit(parallel=True, **_JIT)
 def q8_ranges(q, d, xq, dx, out, ranges):
     for i in prange(ranges.shape[0]):
         r0, r1, o, a = ranges[i, 0], ranges[i, 1], ranges[i, 2], ranges[i, 3]
@@ -271,7 +321,7 @@ def q8_ranges(q, d, xq, dx, out, ranges):
 
 
 @njit(parallel=True, **_JIT)
-def q6k_ranges(lo, hi, d, xq, dx, halves, out, ranges):
+def q6k_ranges(lo, hi, d, sup, xq, dx, halves, out, ranges):
     for i in prange(ranges.shape[0]):
         r0, r1, o, a = ranges[i, 0], ranges[i, 1], ranges[i, 2], ranges[i, 3]
-        q6k_rows(lo, hi, d, xq[a], dx[a], halves[a], out[o : o + r1 - r0], r0, r1)
+        q6k_rows(lo, hi, d, sup, xq[a], dx[a], halves[a], out[o : o + r1 - r0], r0, r1)

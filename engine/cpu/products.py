@@ -95,10 +95,12 @@ def _run_parallel(planes: Planes, act: Activation, out: np.ndarray, ranges: np.n
         numba.set_num_threads(min(threads_used, numba.config.NUMBA_NUM_THREADS))
         if planes.family == "nibble":
             dot.nibble_ranges(planes.lo, planes.hi, planes.d, planes.m, act.q, act.scale, act.sums, out, ranges)
+        elif planes.family == "nibble_k":
+            dot.nibble_k_ranges(planes.lo, planes.hi, planes.d, planes.sup, act.q, act.scale, act.sums, out, ranges)
         elif planes.family == "q8":
             dot.q8_ranges(planes.lo, planes.d, act.q, act.scale, out, ranges)
         else:
-            dot.q6k_ranges(planes.lo, planes.hi, planes.d, act.q, act.scale, act.half_sums, out, ranges)
+            dot.q6k_ranges(planes.lo, planes.hi, planes.d, planes.sup, act.q, act.scale, act.half_sums, out, ranges)
     except ValueError as exc:  # no OpenMP or TBB for numba here: every product on the calling thread
         if "threading layer" not in str(exc):
             raise
@@ -110,7 +112,9 @@ def _run_parallel(planes: Planes, act: Activation, out: np.ndarray, ranges: np.n
 def _rows(planes: Planes, act: Activation, out: np.ndarray, r0: int, r1: int, a: int = 0) -> None:
     if planes.family == "nibble":
         dot.nibble_rows(planes.lo, planes.hi, planes.d, planes.m, act.q[a], act.scale[a], act.sums[a], out, r0, r1)
+    elif planes.family == "nibble_k":
+        dot.nibble_k_rows(planes.lo, planes.hi, planes.d, planes.sup, act.q[a], act.scale[a], act.sums[a], out, r0, r1)
     elif planes.family == "q8":
         dot.q8_rows(planes.lo, planes.d, act.q[a], act.scale[a], out, r0, r1)
     else:
-        dot.q6k_rows(planes.lo, planes.hi, planes.d, act.q[a], act.scale[a], act.half_sums[a], out, r0, r1)
+        dot.q6k_rows(planes.lo, planes.hi, planes.d, planes.sup, act.q[a], act.scale[a], act.half_sums[a], out, r0, r1)

@@ -28,9 +28,10 @@ PER_TYPE = {
     "matmul_glu": ("matmul", QUANT_TYPES),
 }
 # A mixture's grouped prompt products (matmul.cu GROUPED_Q), built per weight type and for the CPU kernels' layouts
-# of experts streamed from RAM (engine/cpu/layout.py families; "5": nibbles with a fifth bit).
+# of experts streamed from RAM (engine/cpu/layout.py families; "5": nibbles with a fifth bit, "_k": the K-quants'
+# 8-bit group scales under float32 super-block ones).
 GROUPED_KINDS = ("grouped_matmul", "grouped_matmul_glu")
-HOST_LAYOUTS = ("cpu_nibble", "cpu_nibble5", "cpu_q6k", "cpu_q8")
+HOST_LAYOUTS = ("cpu_nibble", "cpu_nibble5", "cpu_nibble_k", "cpu_nibble5_k", "cpu_q6k", "cpu_q8")
 _GROUPED_SUFFIXES = (*(KERNEL_SUFFIX[t] for t in QUANT_TYPES), *HOST_LAYOUTS)
 # Quantized decode products of matvec.cu by kernel shape: kind -> (warps per row set, rows per set).
 SHAPES = {"matvec": ((1, 1), (2, 1), (1, 2), (2, 2)), "matvec_glu": ((1, 1), (2, 1), (1, 2))}
