@@ -29,10 +29,12 @@ DEQUANT_SCRATCH_ELEMENTS = 64 * 2**20
 # thread waiting on the stream spun; bench/results/2026-12-02_ram_*). That thread now sleeps (host_calls.HostCalls),
 # and a probe then gave 957 us on 16 threads against 1,091 on 15, but no whole-model run on 16 has finished yet.
 HOST_EXPERT_THREADS = int(os.environ.get("STRATA_CPU_THREADS") or max(1, (os.cpu_count() or 2) - 1))
-# The CPU kernels' layout (engine/cpu/layout.py) keeps float32 group scales: Q4_0 and Q4_K take 4/3 of their file
-# bytes, Q6_K 1.22, Q8_0 1.06 (tests/test_cpu_kernels.py holds each type to its ratio); the fit counts experts kept in
-# RAM at the 4-bit types' ratio.
-CPU_BYTES_PER_FILE_BYTE = 1.34
+# RAM the CPU kernels' layout (engine/cpu/layout.py) takes per byte of the file, for each type it repacks (the others
+# keep their file's bytes): the legacy types hold float32 group scales, the K-quants their own 8-bit ones under
+# float32 super-block scales (tests/test_cpu_kernels.py holds each type to its ratio). The fit counts experts kept in
+# RAM at the largest ratio among a model's types.
+CPU_BYTES_PER_FILE_BYTE = {"Q4_0": 24 / 18, "Q4_1": 24 / 20, "Q5_0": 28 / 22, "Q5_1": 28 / 24, "Q8_0": 36 / 34,
+                           "Q4_K": 152 / 144, "Q5_K": 184 / 176, "Q6_K": 212 / 210}
 GPU_KV_DTYPE = np.dtype(np.float16)
 CPU_KV_DTYPE = np.dtype(np.float32)
 

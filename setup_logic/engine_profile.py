@@ -18,8 +18,9 @@ class EngineProfile(BaseModel):
     cpu_weights_dequantized_to_f32: bool = Field(
         description="the CPU path keeps float32 weights (4 bytes each); else the GGUF's bytes"
     )
-    cpu_bytes_per_file_byte: float = Field(
-        ge=1, description="RAM the CPU path's layout of quantized weights takes per byte of the file's (at most)"
+    cpu_bytes_per_file_byte: dict[str, float] = Field(
+        description="RAM the CPU path's layout of quantized weights takes per byte of the file's, for each tensor "
+        "type it repacks; other types keep their file's bytes"
     )
     kv_bytes_per_element_gpu: int = Field(gt=0)
     kv_bytes_per_element_cpu: int = Field(gt=0)

@@ -9,7 +9,8 @@ rule of thumb:
   drop them, so they are reported and not required.
 - A mixture of experts can keep its dense part and the experts of some layers on the GPU and the experts of the
   other layers in RAM, where the CPU computes them ("gpu+ram"), when the engine says it can; in RAM those experts
-  take the CPU layout's bytes (the profile's cpu_bytes_per_file_byte: 4/3 of a Q4_K file's), and the GPU keeps a
+  take the CPU layout's bytes (the profile's cpu_bytes_per_file_byte, at the largest ratio among the model's tensor
+  types: 1.06 times a Q4_K file's, 4/3 a Q4_0 file's), and the GPU keeps a
   buffer that one such layer's experts are copied into when a long prompt chunk computes them there.
 """
 
@@ -164,6 +165,12 @@ def workspace_bytes(model: CatalogModel, context_length: int, engine: EngineProf
     return 4 * (chunk * per_token + model.vocab_size + attention + rope) + 2 * fp16
 
 
+def _cpu_layout_ratio(model: CatalogModel, engine: EngineProfile) -> float:
+    """RAM per file byte of experts kept in RAM: the largest ratio among the model's tensor types (the catalog does
+    not say which of them the experts use)."""
+    return max((engine.cpu_bytes_per_file_byte.get(t, 1.0) for t in model.tensor_types), default=1.0)
+
+
 def estimate_memory(
     model: CatalogModel,
     context_length: int,
@@ -203,9 +210,9 @@ def estimate_memory(
             if f32:
                 ram_weights = round(model.expert_params_b * 1e9 * 4 * share)
             else:
-                ram_weights = round(ram_expert_file_bytes * engine.cpu_bytes_per_file_byte)
+                ram_weights = round(ram_expert_file_bytes * _cpu_layout_ratio(model, engine))
             ram_expert_read = round(ram_weights * model.n_experts_used / model.n_experts)
-            staging = round(ram_expert_file_bytes * engine.cpu_bytes_per_file_byte / expert_layers_in_ram)
+            staging = round(ram_expert_file_bytes * _cpu_layout_ratio(model, engine) / expert_layers_in_ram)
     state = model.recurrent_state_bytes
     on_gpu = level != "cpu"
     # Every page is read once to upload or repack it; the quantized CPU path is measured at about the file's size.

@@ -21,8 +21,9 @@ import pytest
 from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize, quantize
 
+from engine import capabilities
 from engine.cpu import experts, layout, products, weights
-from engine.quants import block_layout
+from engine.quants import block_layout, quantized_nbytes
 
 U = 2.0**-24
 QUANTIZABLE = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0]  # gguf.quants.quantize writes these
@@ -216,6 +217,14 @@ def test_packed_weights_take_about_the_file_size(qtype):
     assert w.planes is not None and w.dense is None and w.nbytes == GROUP_BYTES[qtype] * 64 * 1024 // 32
     if qtype in RANDOM_BLOCKS:  # the K-quants within 12% of their file
         assert w.nbytes <= 1.12 * raw.nbytes
+
+
+def test_the_engine_profile_gives_each_packed_type_s_bytes_per_file_byte():
+    """What the fit counts experts kept in RAM at (engine/capabilities.py)."""
+    assert set(capabilities.CPU_BYTES_PER_FILE_BYTE) == {t.name for t in layout.PACKED_TYPES}
+    for qtype in layout.PACKED_TYPES:
+        ratio = layout.packed_nbytes(qtype, 3, 1024) / quantized_nbytes(qtype, (3, 1024))
+        assert capabilities.CPU_BYTES_PER_FILE_BYTE[qtype.name] == pytest.approx(ratio, rel=1e-12), qtype
 
 
 @pytest.mark.parametrize("qtype", [*QUANTIZABLE, *RANDOM_BLOCKS, T.IQ4_XS, T.F16], ids=lambda t: t.name)

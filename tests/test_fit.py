@@ -93,7 +93,8 @@ def test_experts_split_between_gpu_and_ram():
     half = estimate_memory(coder, 8192, "gpu+ram", MOE_QUANT, expert_layers_in_ram=24)  # of 48
     in_ram = round(coder.expert_bytes / 2)
     assert half.gpu_weights_bytes == coder.file_bytes - in_ram
-    assert half.ram_weights_bytes == round(in_ram * MOE_QUANT.cpu_bytes_per_file_byte)  # the CPU layout's bytes
+    # The CPU layout's bytes, at the largest ratio among the model's types (Q4_K, Q5_K, Q6_K, Q8_0): Q8_0's.
+    assert half.ram_weights_bytes == round(in_ram * 36 / 34)
     assert half.reclaimable_file_bytes == coder.file_bytes
     f32 = estimate_memory(coder, 8192, "gpu+ram", MOE_F32, expert_layers_in_ram=24)
     assert f32.ram_weights_bytes == round(28.991029248e9 * 4 / 2)
@@ -107,6 +108,10 @@ def test_experts_split_between_gpu_and_ram():
     assert half.vram_bytes == (half.gpu_weights_bytes + half.expert_staging_bytes + half.kv_cache_bytes
                                + half.workspace_bytes + half.gpu_overhead_bytes + half.recurrent_state_bytes)
     assert estimate_memory(coder, 8192, "gpu", MOE_QUANT).expert_staging_bytes == 0
+    # Q3_K keeps its file's bytes on the CPU; Q6_K's layout is the larger of the two.
+    q3 = get_model("qwen3-30b-a3b")
+    all_in_ram = estimate_memory(q3, 8192, "gpu+ram", MOE_QUANT, expert_layers_in_ram=q3.n_layers)
+    assert all_in_ram.ram_weights_bytes == round(q3.expert_bytes * 212 / 210)
 
 
 def test_estimate_refuses_impossible_placements():
