@@ -16,37 +16,46 @@ _U8 = np.uint8
 
 
 @njit(**_EXACT)
-def _nibble_group(lo, hi, r, b, scale, offset, row_out):
-    """Group b of row r: value = q * scale + offset, the fifth bits from hi when it has any."""
-    for j in range(16):
-        v = lo[r, 16 * b + j]
-        a = _U8(v & _U8(15))
-        c = _U8(v >> _U8(4))
-        if hi.shape[1] > 0:
-            a |= _U8(_U8(_U8(hi[r, 4 * b + (j >> 3)] >> _U8(j & 7)) & _U8(1)) << _U8(4))
-            c |= _U8(_U8(_U8(hi[r, 4 * b + 2 + (j >> 3)] >> _U8(j & 7)) & _U8(1)) << _U8(4))
-        row_out[b * 32 + j] = _F(a) * scale + offset
-        row_out[b * 32 + 16 + j] = _F(c) * scale + offset
-
-
-@njit(**_EXACT)
 def nibble_rows(lo, hi, d, m, rows, out):
+    groups = d.shape[1]
+    five = hi.shape[1] > 0
     for i in range(rows.shape[0]):
         r = rows[i]
-        for b in range(d.shape[1]):
-            _nibble_group(lo, hi, r, b, d[r, b], m[r, b], out[i])
+        for b in range(groups):
+            for j in range(16):
+                v = lo[r, 16 * b + j]
+                a = _U8(v & _U8(15))
+                c = _U8(v >> _U8(4))
+                if five:
+                    a |= _U8(_U8(_U8(hi[r, 4 * b + (j >> 3)] >> _U8(j & 7)) & _U8(1)) << _U8(4))
+                    c |= _U8(_U8(_U8(hi[r, 4 * b + 2 + (j >> 3)] >> _U8(j & 7)) & _U8(1)) << _U8(4))
+                out[i, b * 32 + j] = _F(a) * d[r, b] + m[r, b]
+                out[i, b * 32 + 16 + j] = _F(c) * d[r, b] + m[r, b]
 
 
 @njit(**_EXACT)
 def nibble_k_rows(lo, hi, d, sup, rows, out):
-    """gguf's Q4_K / Q5_K steps: scale = d * sc and offset = -(dmin * mn), each one float32 product."""
+    """nibble_rows with gguf's Q4_K / Q5_K scale = d * sc and offset = -(dmin * mn), each one float32 product. A
+    row's scales and offsets go first into vectors: read from there, the values' loop vectorizes (6x faster here)."""
+    groups = d.shape[1] // 2
+    five = hi.shape[1] > 0
+    scale = np.empty(groups, _F)
+    offset = np.empty(groups, _F)
     for i in range(rows.shape[0]):
         r = rows[i]
-        for b in range(d.shape[1] // 2):
-            s = b >> 3
-            scale = sup[r, s, 0] * _F(d[r, 2 * b])
-            offset = -(sup[r, s, 1] * _F(d[r, 2 * b + 1]))
-            _nibble_group(lo, hi, r, b, scale, offset, out[i])
+        for b in range(groups):
+            scale[b] = sup[r, b >> 3, 0] * _F(d[r, 2 * b])
+            offset[b] = -(sup[r, b >> 3, 1] * _F(d[r, 2 * b + 1]))
+        for b in range(groups):
+            for j in range(16):
+                v = lo[r, 16 * b + j]
+                a = _U8(v & _U8(15))
+                c = _U8(v >> _U8(4))
+                if five:
+                    a |= _U8(_U8(_U8(hi[r, 4 * b + (j >> 3)] >> _U8(j & 7)) & _U8(1)) << _U8(4))
+                    c |= _U8(_U8(_U8(hi[r, 4 * b + 2 + (j >> 3)] >> _U8(j & 7)) & _U8(1)) << _U8(4))
+                out[i, b * 32 + j] = _F(a) * scale[b] + offset[b]
+                out[i, b * 32 + 16 + j] = _F(c) * scale[b] + offset[b]
 
 
 @njit(**_EXACT)
