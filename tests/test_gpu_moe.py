@@ -117,8 +117,9 @@ def test_moe_ffn(gate_type, down_type, n, routing):
 @pytest.mark.parametrize("gate_type,down_type", MIXES[:3], ids=lambda t: t.name)
 def test_moe_ffn_of_experts_in_ram_streamed_to_the_gpu(gate_type, down_type):
     """Experts kept in RAM in the CPU kernels' layout: a chunk of STREAM_MIN_TOKENS or more copies each layer's to the
-    GPU, where the grouped products read that layout (every layout: 4-bit, 5-bit, Q6_K and Q8_0 planes); two layers
-    in turn, so the second is the prefetched copy and the first is copied again into the same buffer."""
+    GPU, where the grouped products read that layout (all six: the K-quants' 4- and 5-bit planes with 8-bit group
+    scales under float32 super-block ones, Q6_K's, the legacy 4- and 5-bit planes with float32 scales, Q8_0's); two
+    layers in turn, so the second is the prefetched copy and the first is copied again into the same buffer."""
     rng = np.random.default_rng()
     backend = CupyBackend()
     n_experts, top_k, f, d, n = 16, 4, 512, 768, max(100, STREAM_MIN_TOKENS)

@@ -14,8 +14,8 @@ order for Q4_0), so a kernel widens a group to 32 bytes with one mask and one sh
   values, `hi` 8 bytes a group, bits 2 s..2 s + 1 of byte t the top bits of value t + 8 s.
 
 The K-quants keep about their file's size (Q4_K 19 bytes a group against 18, Q5_K 23 against 22, Q6_K 26.5
-against 26.25): their experts are read from RAM at every token. The legacy types keep float32 scales (24 bytes a
-Q4_0 group against 18) as measured: they are the small dense models' weights, which the default CPU model is.
+against 26.25): a mixture's experts kept in RAM are read from there at every token. The legacy types keep float32
+scales (24 bytes a Q4_0 group against 18): the default CPU model's weights, their kernels left as measured.
 """
 
 from __future__ import annotations
