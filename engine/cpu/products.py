@@ -73,17 +73,26 @@ def expert_products(planes: Planes, act: Activation, experts: np.ndarray, out: n
     [e f, (e + 1) f) for e = experts[j] into out[j f : (j + 1) f], with activation row j when `own_rows` (the down
     projection of each expert's own hidden state), else row 0. Slots are cut so every thread gets equal work."""
     slots = len(experts)
-    f = out.shape[0] // slots
     pieces = max(1, threads_used // math.gcd(threads_used, slots))
-    edges = np.linspace(0, f, pieces + 1).round().astype(np.int64)
-    ranges = np.empty((slots, pieces, 4), np.int64)
-    ranges[:, :, 0] = experts[:, None].astype(np.int64) * f + edges[None, :-1]
-    ranges[:, :, 1] = ranges[:, :, 0] + (edges[1:] - edges[:-1])[None, :]
-    ranges[:, :, 2] = np.arange(slots)[:, None] * f + edges[None, :-1]
-    ranges[:, :, 3] = np.arange(slots)[:, None] if own_rows else 0
-    if not _run_parallel(planes, act, out, ranges.reshape(-1, 4), threads_used):
-        for r0, r1, o, a in ranges.reshape(-1, 4):
+    ranges = _expert_ranges(experts, out.shape[0] // slots, pieces, own_rows)
+    if not _run_parallel(planes, act, out, ranges, threads_used):
+        for r0, r1, o, a in ranges:
             _rows(planes, act, out[o : o + r1 - r0], int(r0), int(r1), int(a))
+
+
+@numba.njit(nogil=True, cache=True)
+def _expert_ranges(experts, f, pieces, own_rows):
+    """expert_products' ranges, each slot's f rows in `pieces` runs (in numba: the same in NumPy took 39 us, three
+    times a layer, on the 2-core VM)."""
+    out = np.empty((experts.shape[0] * pieces, 4), np.int64)
+    for j in range(experts.shape[0]):
+        for p in range(pieces):
+            i, lo, hi = j * pieces + p, p * f // pieces, (p + 1) * f // pieces
+            out[i, 0] = experts[j] * f + lo
+            out[i, 1] = experts[j] * f + hi
+            out[i, 2] = j * f + lo
+            out[i, 3] = j if own_rows else 0
+    return out
 
 
 def _run_parallel(planes: Planes, act: Activation, out: np.ndarray, ranges: np.ndarray, threads_used: int) -> bool:
