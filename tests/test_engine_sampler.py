@@ -135,8 +135,9 @@ def _toy_state(backend, capacity: int, log: list[str]):
 
     ws = SimpleNamespace(ids=np.zeros(2, np.int32), logits=np.zeros((1, 50), np.float32))
 
-    def step():
-        log.append(f"step@{ws.ids[0]}")
+    def step(position: int):
+        assert position == ws.ids[0]  # the caller names the position the fed ids hold
+        log.append(f"step@{position}")
         ws.logits[0] = 0.0
         ws.logits[0, (ws.ids[1] + 1) % 50] = 1.0
 
