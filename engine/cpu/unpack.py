@@ -16,21 +16,25 @@ _U8 = np.uint8
 
 
 @njit(**_EXACT)
+def _nibble_row(lo, hi, r, five, scale, offset, out):
+    """Row r's values into out (k,): value = (nibble | fifth bit << 4) * scale[b] + offset[b] in group b."""
+    for b in range(scale.shape[0]):
+        for j in range(16):
+            v = lo[r, 16 * b + j]
+            a = _U8(v & _U8(15))
+            c = _U8(v >> _U8(4))
+            if five:
+                a |= _U8(_U8(_U8(hi[r, 4 * b + (j >> 3)] >> _U8(j & 7)) & _U8(1)) << _U8(4))
+                c |= _U8(_U8(_U8(hi[r, 4 * b + 2 + (j >> 3)] >> _U8(j & 7)) & _U8(1)) << _U8(4))
+            out[b * 32 + j] = _F(a) * scale[b] + offset[b]
+            out[b * 32 + 16 + j] = _F(c) * scale[b] + offset[b]
+
+
+@njit(**_EXACT)
 def nibble_rows(lo, hi, d, m, rows, out):
-    groups = d.shape[1]
     five = hi.shape[1] > 0
     for i in range(rows.shape[0]):
-        r = rows[i]
-        for b in range(groups):
-            for j in range(16):
-                v = lo[r, 16 * b + j]
-                a = _U8(v & _U8(15))
-                c = _U8(v >> _U8(4))
-                if five:
-                    a |= _U8(_U8(_U8(hi[r, 4 * b + (j >> 3)] >> _U8(j & 7)) & _U8(1)) << _U8(4))
-                    c |= _U8(_U8(_U8(hi[r, 4 * b + 2 + (j >> 3)] >> _U8(j & 7)) & _U8(1)) << _U8(4))
-                out[i, b * 32 + j] = _F(a) * d[r, b] + m[r, b]
-                out[i, b * 32 + 16 + j] = _F(c) * d[r, b] + m[r, b]
+        _nibble_row(lo, hi, rows[i], five, d[rows[i]], m[rows[i]], out[i])
 
 
 @njit(**_EXACT)
@@ -46,16 +50,7 @@ def nibble_k_rows(lo, hi, d, sup, rows, out):
         for b in range(groups):
             scale[b] = sup[r, b >> 3, 0] * _F(d[r, 2 * b])
             offset[b] = -(sup[r, b >> 3, 1] * _F(d[r, 2 * b + 1]))
-        for b in range(groups):
-            for j in range(16):
-                v = lo[r, 16 * b + j]
-                a = _U8(v & _U8(15))
-                c = _U8(v >> _U8(4))
-                if five:
-                    a |= _U8(_U8(_U8(hi[r, 4 * b + (j >> 3)] >> _U8(j & 7)) & _U8(1)) << _U8(4))
-                    c |= _U8(_U8(_U8(hi[r, 4 * b + 2 + (j >> 3)] >> _U8(j & 7)) & _U8(1)) << _U8(4))
-                out[i, b * 32 + j] = _F(a) * scale[b] + offset[b]
-                out[i, b * 32 + 16 + j] = _F(c) * scale[b] + offset[b]
+        _nibble_row(lo, hi, r, five, scale, offset, out[i])
 
 
 @njit(**_EXACT)
