@@ -207,12 +207,13 @@ def estimate_memory(
             share = expert_layers_in_ram / model.n_layers
             ram_expert_file_bytes = round(model.expert_bytes * share)
             gpu_weights = file_bytes - ram_expert_file_bytes
+            ratio = _cpu_layout_ratio(model, engine)
             if f32:
                 ram_weights = round(model.expert_params_b * 1e9 * 4 * share)
             else:
-                ram_weights = round(ram_expert_file_bytes * _cpu_layout_ratio(model, engine))
+                ram_weights = round(ram_expert_file_bytes * ratio)
             ram_expert_read = round(ram_weights * model.n_experts_used / model.n_experts)
-            staging = round(ram_expert_file_bytes * _cpu_layout_ratio(model, engine) / expert_layers_in_ram)
+            staging = round(ram_expert_file_bytes * ratio / expert_layers_in_ram)
     state = model.recurrent_state_bytes
     on_gpu = level != "cpu"
     # Every page is read once to upload or repack it; the quantized CPU path is measured at about the file's size.
