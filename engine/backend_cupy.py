@@ -427,7 +427,8 @@ class CupyBackend:
                      activation: str) -> None:
         """The experts of a layer kept in RAM, computed by the CPU. One token: the stream copies x and the routing
         to pinned memory, calls the CPU kernels (a host node when a decode step is captured) and copies their
-        result back, so the step stays one graph. A prompt chunk: this thread waits for the routing and computes."""
+        result back, so the step stays one graph; their activations are int8 per 32 values, as this backend's own
+        kernels round them. A prompt chunk: this thread waits for the routing and computes."""
         if x.shape[0] > 1:
             self.synchronize()
             xh, idh, wh = (cupy.asnumpy(a, stream=self.stream, blocking=True) for a in (x, ids, weights))
@@ -442,7 +443,7 @@ class CupyBackend:
 
         def job() -> None:
             cpu_experts.moe_ffn(stage["x"], gate, up, down, stage["ids"], stage["weights"], stage["out"], activation,
-                                HOST_EXPERT_THREADS)
+                                HOST_EXPERT_THREADS, bits=8)
 
         self._host_calls.launch(self.stream.ptr, (id(gate), id(up), id(down), activation), job)
         cupy.cuda.runtime.memcpyAsync(out.data.ptr, stage["out"].ctypes.data, out.nbytes,

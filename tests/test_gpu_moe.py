@@ -176,8 +176,8 @@ def test_moe_ffn_decode_replays_in_a_graph_with_new_expert_ids():
 
 def test_experts_in_ram_give_the_all_gpu_model_s_tokens(tmp_path):
     """A qwen3moe model in llama.cpp's Q4_K_M mix (bench/make_synthetic_gguf.py, random weights) loaded all on the GPU
-    and with the experts of some or all of its layers in RAM, computed by the CPU (int16 activations there, int8 on
-    the GPU): a 40-token prompt's logits within 1e-2 of the logit range, and 16 greedy tokens (decode through the
+    and with the experts of some or all of its layers in RAM, computed by the CPU (a prompt chunk on float32 rows, a
+    decoded token on int8 activations as on the GPU): a 40-token prompt's logits within 1e-2 of the logit range, and 16 greedy tokens (decode through the
     captured graph with its host calls) identical, or first differing where the all-GPU model's top two logits are
     within 0.05. Reports what the load placed in RAM."""
     import sys

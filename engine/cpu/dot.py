@@ -8,11 +8,14 @@ floats and one multiply-add per group adds them, scaled, into a float accumulato
 The weight stream is prefetched PREFETCH_BYTES ahead: this host's hardware prefetcher stops following rows longer
 than about 2 KB.
 
-The activation is rounded to int16 per 32 values (a step of 1/32767 of the group's largest value), not to int8 as
-llama.cpp's CPU kernels do: int8 (`vpmaddubsw`) ran 10-25% faster here but moved SmolLM2's logits by up to 2% of
-their range (0.67 of 34), enough to change greedy answers; int16 moves them by about 1e-4 of it. Measured and not
-kept: 2 or 4 rows a pass sharing each activation load (no faster on one Zen 5 core, where the loop is bound by its
-vector instructions, not by loads).
+The CPU backend rounds the activation to int16 per 32 values (a step of 1/32767 of the group's largest value), not
+to int8 as llama.cpp's CPU kernels do: int8 (`vpmaddubsw`) ran 10-25% faster here but moved SmolLM2's logits by up to
+2% of their range (0.67 of 34), enough to change greedy answers; int16 moves them by about 1e-4 of it. The experts
+the GPU backend keeps in RAM take int8 activations, as its own kernels do: on a CPU with VNNI (AVX-512 VNNI or
+AVX-VNNI) one `vpdpbusd` multiplies a group's 32 unsigned quants by its 32 int8 values and sums them in fours;
+elsewhere int8 values are widened to int16 and take the int16 path. The kernels see which from the activation's
+dtype. Measured and not kept: 2 or 4 rows a pass sharing each activation load (no faster on one Zen 5 core, where
+the loop is bound by its vector instructions, not by loads).
 
 The row kernels sit in this file with the vector code they inline: numba's cache is keyed on the source file of
 a kernel, so a change here recompiles them.
@@ -29,6 +32,8 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from engine.cpu.ops import glu
+
 PREFETCH_BYTES = 4096
 
 _I8, _I16, _I32, _I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
@@ -38,7 +43,9 @@ _FAST = ("reassoc", "contract")
 # STRATA_CPU_PORTABLE=1 compiles the plain vector code on x86 too (tests/test_cpu_kernels.py checks it there), without
 # numba's cache, which does not know this switch.
 _PORTABLE = os.environ.get("STRATA_CPU_PORTABLE") == "1"
-_AVX2 = bool(binding.get_host_cpu_features().get("avx2")) and not _PORTABLE
+_FEATURES = binding.get_host_cpu_features()
+_AVX2 = bool(_FEATURES.get("avx2")) and not _PORTABLE
+_VNNI = bool(_FEATURES.get("avxvnni") or (_FEATURES.get("avx512vnni") and _FEATURES.get("avx512vl"))) and not _PORTABLE
 
 
 def _vec(t, n):
@@ -119,18 +126,27 @@ FAMILIES = {"nibble": (16, 0, False), "nibble5": (16, 4, False), "q8": (32, 0, T
 K_FAMILIES = ("nibble_k", "nibble5_k", "q6k")
 
 
-def _group_halves(builder, family, lo_p, hi_p, group, x):
+def _group_quants(builder, family, lo_p, hi_p, group):
+    """A group's 32 quants, <32 x i8> (signed for "q8", else unsigned)."""
     lo_bytes, hi_bytes, signed = FAMILIES[family]
     lo_at = builder.mul(group, _I64(lo_bytes))
     _prefetch(builder, lo_p, lo_at)
     lo = _load(builder, lo_p, lo_at, lo_bytes)
     if signed:
-        return _halves(builder, lo, x, True)
+        return lo
     u = _nibbles(builder, lo)
     if hi_bytes:
         hi = _load(builder, hi_p, builder.mul(group, _I64(hi_bytes)), hi_bytes)
         u = builder.or_(u, _fifth_bits(builder, hi) if hi_bytes == 4 else _two_high_bits(builder, hi))
-    return _halves(builder, u, x, False)
+    return u
+
+
+def _quad_sums(builder, u, x):
+    """<32 x u8> quants times <32 x i8> values, summed in fours (one vpdpbusd): lanes 0-3 cover values 0-15, lanes
+    4-7 values 16-31."""
+    words = [builder.bitcast(v, _vec(_I32, 8)) for v in (u, x)]
+    dot = _function(builder, "llvm.x86.avx512.vpdpbusd.256", _vec(_I32, 8), [_vec(_I32, 8)] * 3)
+    return builder.call(dot, [ir.Constant(_vec(_I32, 8), [0] * 8), *words])
 
 
 def _floats(builder, base, index, n):
@@ -138,10 +154,21 @@ def _floats(builder, base, index, n):
     return builder.load(builder.bitcast(builder.gep(base, [index]), _vec(_F32, n).as_pointer()), align=4)
 
 
-def _add_group(builder, family, lo_p, hi_p, x_p, group, b, scales, total):
-    """total + group `group`'s (activation group b's) integer sums, each half times its float scale."""
-    x = builder.load(builder.bitcast(builder.gep(x_p, [builder.mul(b, _I64(64))]), _vec(_I16, 32).as_pointer()), align=1)
-    first, second = _group_halves(builder, family, lo_p, hi_p, group, x)
+def _add_group(builder, family, lo_p, hi_p, x_p, group, b, scales, total, x_bits):
+    """total + group `group`'s (activation group b's) integer sums, each half times its float scale; the
+    activation's values are int8 or int16 (x_bits)."""
+    x_type = _I8 if x_bits == 8 else _I16
+    x = builder.load(builder.bitcast(builder.gep(x_p, [builder.mul(b, _I64(4 * x_bits))]), _vec(x_type, 32).as_pointer()),
+                     align=1)
+    quants, signed = _group_quants(builder, family, lo_p, hi_p, group), FAMILIES[family][2]
+    if x_bits == 8 and _VNNI and not signed:
+        sums = builder.sitofp(_quad_sums(builder, quants, x), _vec(_F32, 8))
+        pair = builder.insert_element(_splat(builder, scales[0], 2), scales[-1], _I32(1))  # one scale, or a half's
+        scale = _shuffle(builder, pair, pair, [0] * 4 + [1] * 4)
+        return builder.fadd(total, builder.fmul(sums, scale, flags=_FAST), flags=_FAST)
+    if x_bits == 8:
+        x = builder.sext(x, _vec(_I16, 32))
+    first, second = _halves(builder, quants, x, signed)
     parts = [(builder.add(first, second), scales[0])] if len(scales) == 1 else [(first, scales[0]), (second, scales[1])]
     for sums, scale in parts:
         scaled = builder.fmul(builder.sitofp(sums, _vec(_F32, 8)), _splat(builder, scale), flags=_FAST)
@@ -160,14 +187,15 @@ def _row_codegen(family):
 
     def codegen(context, builder, sig, args):
         lo_p, hi_p, d_p, x_p, dx_p = (context.make_array(t)(context, builder, a).data for t, a in zip(sig.args[:5], args[:5]))
-        row, groups = args[5], args[6]
+        d_p = builder.bitcast(d_p, _F32.as_pointer())  # family_rows compiles every family's branch for any planes
+        row, groups, x_bits = args[5], args[6], sig.args[3].dtype.bitwidth
         acc = cgutils.alloca_once_value(builder, ir.Constant(_vec(_F32, 8), [0.0] * 8))
         x_p = builder.bitcast(x_p, _I8.as_pointer())
         with cgutils.for_range(builder, groups) as loop:
             b = loop.index
             group = builder.add(builder.mul(row, groups), b)
             d = builder.fmul(builder.load(builder.gep(d_p, [group])), builder.load(builder.gep(dx_p, [b])), flags=_FAST)
-            builder.store(_add_group(builder, family, lo_p, hi_p, x_p, group, b, [d], builder.load(acc)), acc)
+            builder.store(_add_group(builder, family, lo_p, hi_p, x_p, group, b, [d], builder.load(acc), x_bits), acc)
         return _reduce(builder, builder.load(acc))
 
     return codegen
@@ -183,7 +211,8 @@ def _k_row_codegen(family):
     def codegen(context, builder, sig, args):
         lo_p, hi_p, d_p, sup_p, x_p, dx_p, xs_p = (context.make_array(t)(context, builder, a).data
                                                    for t, a in zip(sig.args[:7], args[:7]))
-        row, groups = args[7], args[8]
+        d_p, sup_p = builder.bitcast(d_p, _I8.as_pointer()), builder.bitcast(sup_p, _F32.as_pointer())
+        row, groups, x_bits = args[7], args[8], sig.args[4].dtype.bitwidth
         acc = cgutils.alloca_once_value(builder, ir.Constant(_vec(_F32, 8), [0.0] * 8))
         lanes = 16 if q6k else 8
         offsets = cgutils.alloca_once_value(builder, ir.Constant(_vec(_F32, lanes), [0.0] * lanes))
@@ -216,7 +245,7 @@ def _k_row_codegen(family):
             for g in range(8):
                 picked = [builder.extract_element(scale, _I32(g * (2 if q6k else 1) + h)) for h in range(2 if q6k else 1)]
                 total = _add_group(builder, family, lo_p, hi_p, x_p, builder.add(first_group, _I64(g)),
-                                   builder.add(first_b, _I64(g)), picked, total)
+                                   builder.add(first_b, _I64(g)), picked, total, x_bits)
             builder.store(total, acc)
         offset = _reduce(builder, builder.load(offsets))
         if q6k:  # the quants are stored plus 32
@@ -252,12 +281,11 @@ _F = np.float32
 
 
 @njit(**_JIT)
-def quantize_activations(x):
-    """x (n, k) float32 -> per row: int16 values (n, k), each 32-value group's scale (n, groups), and the sums of
-    each group's and each half group's values (n, groups), (n, 2, groups) as the int16 values times the scale (what
-    the groups' offsets multiply)."""
+def quantize_activations(x, q, limit):
+    """x (n, k) float32 -> per row: values into q (n, k) (int16 with limit 32767, or int8 with 127), each 32-value
+    group's scale (n, groups), and the sums of each group's and each half group's values (n, groups), (n, 2, groups)
+    as the integer values times the scale (what the groups' offsets multiply)."""
     n, groups = x.shape[0], x.shape[1] // 32
-    q = np.empty(x.shape, np.int16)
     scale = np.empty((n, groups), _F)
     sums = np.empty((n, groups), _F)
     halves = np.empty((n, 2, groups), _F)
@@ -268,8 +296,8 @@ def quantize_activations(x):
                 a = abs(x[i, b * 32 + j])
                 if a > top or a != a:  # a NaN stays: a NaN scale, NaN products
                     top = a
-            d = top / _F(32767)
-            inverse = _F(32767) / top if top > 0 else _F(0)
+            d = top / _F(limit)
+            inverse = _F(limit) / top if top > 0 else _F(0)
             h0 = np.int32(0)
             h1 = np.int32(0)
             for j in range(32):
@@ -283,7 +311,7 @@ def quantize_activations(x):
             halves[i, 0, b] = d * _F(h0)
             halves[i, 1, b] = d * _F(h1)
             sums[i, b] = d * _F(h0 + h1)
-    return q, scale, sums, halves
+    return scale, sums, halves
 
 
 @njit(**_JIT)
@@ -333,35 +361,70 @@ def q6k_rows(lo, hi, d, sup, xq, dx, halves, out, r0, r1):
 # and the HTTP endpoint answer on threads of their own): OpenMP or TBB, not numba's default workqueue.
 numba.config.THREADING_LAYER = "threadsafe"
 
+# The kernels below take a matrix as its planes (lo, hi, d, m, sup: layout.Planes.arrays()) with its family's code,
+# and an activation as (q, scale, sums, half_sums): one compiled kernel serves every family.
+FAMILY_CODES = {"nibble": 0, "nibble_k": 1, "q8": 2, "q6k": 3}
 
-# A product's row ranges run in parallel: range i computes rows [r0, r1) of the weight with activation row a into
-# out[o : o + r1 - r0], where ranges[i] = (r0, r1, o, a). One range set serves a matrix split over threads and the
-# chosen experts of a mixture (their slabs of rows, each with its own activation for the down projection).
+
+@njit(**_JIT)
+def family_rows(family, w, x, a, out, r0, r1):
+    """out[r - r0] = row r . activation row a, for r in [r0, r1)."""
+    lo, hi, d, m, sup = w
+    xq, dx, xs, hs = x[0][a], x[1][a], x[2][a], x[3][a]
+    if family == 0:
+        nibble_rows(lo, hi, d, m, xq, dx, xs, out, r0, r1)
+    elif family == 1:
+        nibble_k_rows(lo, hi, d, sup, xq, dx, xs, out, r0, r1)
+    elif family == 2:
+        q8_rows(lo, d, xq, dx, out, r0, r1)
+    else:
+        q6k_rows(lo, hi, d, sup, xq, dx, hs, out, r0, r1)
+
+
+# A range (r0, r1, o, a) computes rows [r0, r1) of a matrix with activation row a into out[o : o + r1 - r0]: one
+# range set serves a matrix split over threads and the chosen experts of a mixture (their slabs of rows, each with
+# its own activation for the down projection). Each kernel's step is a function of its own, which a machine without
+# a thread-safe threading layer calls range by range.
+
+
+@njit(**_JIT)
+def glu_range(gate_family, gate, up_family, up, x, hidden, up_out, r, gelu):
+    """hidden[o : o + n] = act(gate rows [r0, r1) . x) * (up rows . x), n = r1 - r0 (up_out: scratch)."""
+    r0, r1, o, a = r[0], r[1], r[2], r[3]
+    h, u = hidden[o : o + r1 - r0], up_out[o : o + r1 - r0]
+    family_rows(gate_family, gate, x, a, h, r0, r1)
+    family_rows(up_family, up, x, a, u, r0, r1)
+    glu(h, u, gelu)
+
+
+@njit(**_JIT)
+def mix_range(family, w, x, ids, weights, rows_each, out, r):
+    """out[r0 : r1] = sum over slots j of weights[j] (rows ids[j] rows_each + [r0, r1)) . activation row j, the slots
+    summed in order."""
+    r0, r1 = r[0], r[1]
+    part = np.empty(r1 - r0, _F)
+    out[r0:r1] = 0
+    for j in range(ids.shape[0]):
+        base = ids[j] * rows_each
+        family_rows(family, w, x, j, part, base + r0, base + r1)
+        for i in range(r1 - r0):
+            out[r0 + i] += weights[j] * part[i]
 
 
 @njit(parallel=True, **_JIT)
-def nibble_ranges(lo, hi, d, m, xq, dx, xs, out, ranges):
+def row_ranges(family, w, x, out, ranges):
     for i in prange(ranges.shape[0]):
         r0, r1, o, a = ranges[i, 0], ranges[i, 1], ranges[i, 2], ranges[i, 3]
-        nibble_rows(lo, hi, d, m, xq[a], dx[a], xs[a], out[o : o + r1 - r0], r0, r1)
+        family_rows(family, w, x, a, out[o : o + r1 - r0], r0, r1)
 
 
 @njit(parallel=True, **_JIT)
-def nibble_k_ranges(lo, hi, d, sup, xq, dx, xs, out, ranges):
+def glu_ranges(gate_family, gate, up_family, up, x, hidden, up_out, ranges, gelu):
     for i in prange(ranges.shape[0]):
-        r0, r1, o, a = ranges[i, 0], ranges[i, 1], ranges[i, 2], ranges[i, 3]
-        nibble_k_rows(lo, hi, d, sup, xq[a], dx[a], xs[a], out[o : o + r1 - r0], r0, r1)
+        glu_range(gate_family, gate, up_family, up, x, hidden, up_out, ranges[i], gelu)
 
 
 @njit(parallel=True, **_JIT)
-def q8_ranges(q, d, xq, dx, out, ranges):
+def mix_ranges(family, w, x, ids, weights, rows_each, out, ranges):
     for i in prange(ranges.shape[0]):
-        r0, r1, o, a = ranges[i, 0], ranges[i, 1], ranges[i, 2], ranges[i, 3]
-        q8_rows(q, d, xq[a], dx[a], out[o : o + r1 - r0], r0, r1)
-
-
-@njit(parallel=True, **_JIT)
-def q6k_ranges(lo, hi, d, sup, xq, dx, halves, out, ranges):
-    for i in prange(ranges.shape[0]):
-        r0, r1, o, a = ranges[i, 0], ranges[i, 1], ranges[i, 2], ranges[i, 3]
-        q6k_rows(lo, hi, d, sup, xq[a], dx[a], halves[a], out[o : o + r1 - r0], r0, r1)
+        mix_range(family, w, x, ids, weights, rows_each, out, ranges[i])

@@ -1,8 +1,9 @@
 """A mixture of experts' routed FFN on the CPU: what the CPU backend runs, and what the GPU backend hands to the
 CPU for the layers whose experts live in RAM.
 
-One token (decode): the three stacked matrices each take one parallel product over the chosen experts' slabs
-(engine/cpu/products.py expert_products), so a layer wakes the thread pool three times, not three times per expert.
+One token (decode): two parallel passes over the chosen experts' slabs (engine/cpu/products.py): gate and up
+together, the activation applied where they are computed, then down, each thread a run of the output's rows over
+every chosen expert, weighted and summed there; so a layer wakes the thread pool twice, not three times per expert.
 A chunk of tokens: one pass per expert some token chose, over the tokens that chose it, through the tiled BLAS
 products (a token picks an expert once); the experts run on a pool of threads, each dequantizing its own tiles.
 """
@@ -20,12 +21,13 @@ from engine.cpu.weights import CpuWeight, activation_for, product
 
 
 def moe_ffn(x: np.ndarray, gate: CpuWeight, up: CpuWeight, down: CpuWeight, ids: np.ndarray, weights: np.ndarray,
-            out: np.ndarray, activation: str, threads: int | None = None) -> None:
+            out: np.ndarray, activation: str, threads: int | None = None, bits: int = 16) -> None:
     """out (n, d) = for each token, sum_j weights[i, j] * down[e] @ (act(gate[e] @ x[i]) * (up[e] @ x[i])), e =
-    ids[i, j] (the contract of Backend.moe_ffn); `threads` for the one-token products (default products.threads())."""
+    ids[i, j] (the contract of Backend.moe_ffn); `threads` for the one-token products (default products.threads()),
+    which round their activations to `bits` (16, or 8 as the GPU backend's kernels do; engine/cpu/dot.py)."""
     threads = threads or products.threads()
     if x.shape[0] == 1 and all(w.planes is not None for w in (gate, up, down)):
-        _one_token(x[0], gate, up, down, ids[0], weights[0], out[0], activation, threads)
+        _one_token(x[0], gate, up, down, ids[0], weights[0], out[0], activation, threads, bits)
         return
     f, d = gate.shape[1], down.shape[1]
 
@@ -59,12 +61,11 @@ def _pool(threads: int) -> ThreadPoolExecutor:
 
 
 def _one_token(x: np.ndarray, gate: CpuWeight, up: CpuWeight, down: CpuWeight, ids: np.ndarray, weights: np.ndarray,
-               out: np.ndarray, activation: str, threads: int) -> None:
-    top_k, f, d = len(ids), gate.shape[1], down.shape[1]
-    act = products.activation(x)
-    hidden, up_out, down_out = (np.empty(top_k * n, np.float32) for n in (f, f, d))
-    products.expert_products(gate.planes, act, ids, hidden, False, threads)
-    products.expert_products(up.planes, act, ids, up_out, False, threads)
-    ops.apply_glu(hidden, up_out, activation)
-    products.expert_products(down.planes, products.activation(hidden.reshape(top_k, f)), ids, down_out, True, threads)
-    np.matmul(weights, down_out.reshape(top_k, d), out=out)  # weights: float32 (Backend.moe_ffn)
+               out: np.ndarray, activation: str, threads: int, bits: int) -> None:
+    if activation not in ("silu", "gelu_tanh"):
+        raise ValueError(f"unknown activation {activation!r}")
+    hidden = np.empty(len(ids) * gate.shape[1], np.float32)
+    products.expert_glu(gate.planes, up.planes, products.activation(x, bits), ids, hidden, activation == "gelu_tanh",
+                        threads)
+    hidden_act = products.activation(hidden.reshape(len(ids), -1), bits)
+    products.expert_mix(down.planes, hidden_act, ids, weights, out, threads)

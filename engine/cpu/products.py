@@ -27,17 +27,22 @@ PARALLEL_MIN_WEIGHTS = 1 << 17
 class Activation:
     """Activation rows as the kernels read them, quantized once and shared by every product on them."""
 
-    q: np.ndarray  # (n, k) int16
+    q: np.ndarray  # (n, k) int16, or int8 (engine/cpu/dot.py says which products take which)
     scale: np.ndarray  # (n, groups) float32: value = scale * q within a 32-value group
     sums: np.ndarray  # (n, groups): each group's sum of values (what an offset multiplies)
     half_sums: np.ndarray  # (n, 2, groups): each group's first and last 16 values summed (Q6_K)
     source: np.ndarray  # the x it was made from (a copy)
 
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        """What the kernels take: q, scale, sums, half_sums."""
+        return self.q, self.scale, self.sums, self.half_sums
 
-def activation(x: np.ndarray) -> Activation:
-    """x: (k,) float32, or (n, k) rows, k a multiple of 32."""
+
+def activation(x: np.ndarray, bits: int = 16) -> Activation:
+    """x: (k,) float32, or (n, k) rows, k a multiple of 32, rounded to `bits` (16 or 8) per 32 values."""
     rows = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, x.shape[-1])
-    return Activation(*dot.quantize_activations(rows), source=x.copy())
+    q = np.empty(rows.shape, np.int16 if bits == 16 else np.int8)
+    return Activation(q, *dot.quantize_activations(rows, q, (1 << (bits - 1)) - 1), source=x.copy())
 
 
 _CPUS = os.cpu_count() or 1
@@ -56,8 +61,9 @@ def matvec(planes: Planes, act: Activation, out: np.ndarray) -> None:
     """out (rows,) = planes @ x, x the activation's first row."""
     blocks = min(threads(), planes.rows)
     big = blocks > 1 and planes.rows * planes.k >= PARALLEL_MIN_WEIGHTS
-    if not (big and _run_parallel(planes, act, out, _split(planes.rows, blocks), blocks)):
-        _rows(planes, act, out, 0, planes.rows)
+    w, x, code = planes.arrays(), act.arrays(), _code(planes)
+    if not (big and _parallel_call(dot.row_ranges, code, w, x, out, _split(planes.rows, blocks), threads=blocks)):
+        dot.family_rows(code, w, x, 0, out, 0, planes.rows)
 
 
 @functools.lru_cache(maxsize=256)
@@ -71,18 +77,50 @@ def expert_products(planes: Planes, act: Activation, experts: np.ndarray, out: n
                     threads_used: int) -> None:
     """out (len(experts) * f,) = each chosen expert's slab of f rows times x, slot by slot: the stacked weight's rows
     [e f, (e + 1) f) for e = experts[j] into out[j f : (j + 1) f], with activation row j when `own_rows` (the down
-    projection of each expert's own hidden state), else row 0. Slots are cut so every thread gets equal work."""
-    slots = len(experts)
-    pieces = max(1, threads_used // math.gcd(threads_used, slots))
-    ranges = _expert_ranges(experts, out.shape[0] // slots, pieces, own_rows)
-    if not _run_parallel(planes, act, out, ranges, threads_used):
+    projection of each expert's own hidden state), else row 0."""
+    ranges = _slot_ranges(experts, out.shape[0] // len(experts), own_rows, threads_used)
+    w, x, code = planes.arrays(), act.arrays(), _code(planes)
+    if not _parallel_call(dot.row_ranges, code, w, x, out, ranges, threads=threads_used):
         for r0, r1, o, a in ranges:
-            _rows(planes, act, out[o : o + r1 - r0], int(r0), int(r1), int(a))
+            dot.family_rows(code, w, x, a, out[o : o + r1 - r0], r0, r1)
+
+
+def expert_glu(gate: Planes, up: Planes, act: Activation, experts: np.ndarray, hidden: np.ndarray, gelu: bool,
+               threads_used: int) -> None:
+    """hidden (len(experts) * f,) = act(gate slab . x) * (up slab . x) for each chosen expert, slot by slot, in one
+    pass over the threads (act: silu, or gelu_tanh when `gelu`)."""
+    ranges = _slot_ranges(experts, hidden.shape[0] // len(experts), False, threads_used)
+    up_out = np.empty_like(hidden)
+    args = (_code(gate), gate.arrays(), _code(up), up.arrays(), act.arrays(), hidden, up_out)
+    if not _parallel_call(dot.glu_ranges, *args, ranges, gelu, threads=threads_used):
+        for r in ranges:
+            dot.glu_range(*args, r, gelu)
+
+
+def expert_mix(down: Planes, act: Activation, experts: np.ndarray, weights: np.ndarray, out: np.ndarray,
+               threads_used: int) -> None:
+    """out (d,) = sum over slots j of weights[j] * (expert experts[j]'s slab of d rows . activation row j), each
+    thread a run of the d rows over every slot, the slots summed in order (the same bits on any thread count)."""
+    ranges = _split(out.shape[0], min(threads_used, out.shape[0]))
+    args = (_code(down), down.arrays(), act.arrays(), experts, weights, out.shape[0], out)
+    if not _parallel_call(dot.mix_ranges, *args, ranges, threads=threads_used):
+        for r in ranges:
+            dot.mix_range(*args, r)
+
+
+def _code(planes: Planes) -> int:
+    return dot.FAMILY_CODES[planes.family]
+
+
+def _slot_ranges(experts: np.ndarray, f: int, own_rows: bool, threads_used: int) -> np.ndarray:
+    """Each chosen expert's slab of f rows cut so every thread gets equal work."""
+    slots = len(experts)
+    return _expert_ranges(experts, f, max(1, threads_used // math.gcd(threads_used, slots)), own_rows)
 
 
 @numba.njit(nogil=True, cache=True)
 def _expert_ranges(experts, f, pieces, own_rows):
-    """expert_products' ranges, each slot's f rows in `pieces` runs (in numba: the same in NumPy took 39 us, three
+    """_slot_ranges' ranges, each slot's f rows in `pieces` runs (in numba: the same in NumPy took 39 us, three
     times a layer, on the 2-core VM)."""
     out = np.empty((experts.shape[0] * pieces, 4), np.int64)
     for j in range(experts.shape[0]):
@@ -95,35 +133,17 @@ def _expert_ranges(experts, f, pieces, own_rows):
     return out
 
 
-def _run_parallel(planes: Planes, act: Activation, out: np.ndarray, ranges: np.ndarray, threads_used: int) -> bool:
-    """The ranges on numba's thread pool; False when this machine has no thread-safe threading layer for it."""
+def _parallel_call(kernel, *args, threads: int) -> bool:
+    """kernel(*args) on numba's thread pool; False when this machine has no thread-safe threading layer for it."""
     global _parallel
     if not _parallel:
         return False
     try:
-        numba.set_num_threads(min(threads_used, numba.config.NUMBA_NUM_THREADS))
-        if planes.family == "nibble":
-            dot.nibble_ranges(planes.lo, planes.hi, planes.d, planes.m, act.q, act.scale, act.sums, out, ranges)
-        elif planes.family == "nibble_k":
-            dot.nibble_k_ranges(planes.lo, planes.hi, planes.d, planes.sup, act.q, act.scale, act.sums, out, ranges)
-        elif planes.family == "q8":
-            dot.q8_ranges(planes.lo, planes.d, act.q, act.scale, out, ranges)
-        else:
-            dot.q6k_ranges(planes.lo, planes.hi, planes.d, planes.sup, act.q, act.scale, act.half_sums, out, ranges)
+        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+        kernel(*args)
     except ValueError as exc:  # no OpenMP or TBB for numba here: every product on the calling thread
         if "threading layer" not in str(exc):
             raise
         _parallel = False
         return False
     return True
-
-
-def _rows(planes: Planes, act: Activation, out: np.ndarray, r0: int, r1: int, a: int = 0) -> None:
-    if planes.family == "nibble":
-        dot.nibble_rows(planes.lo, planes.hi, planes.d, planes.m, act.q[a], act.scale[a], act.sums[a], out, r0, r1)
-    elif planes.family == "nibble_k":
-        dot.nibble_k_rows(planes.lo, planes.hi, planes.d, planes.sup, act.q[a], act.scale[a], act.sums[a], out, r0, r1)
-    elif planes.family == "q8":
-        dot.q8_rows(planes.lo, planes.d, act.q[a], act.scale[a], out, r0, r1)
-    else:
-        dot.q6k_rows(planes.lo, planes.hi, planes.d, planes.sup, act.q[a], act.scale[a], act.half_sums[a], out, r0, r1)
