@@ -231,6 +231,8 @@ class CupyBackend:
             self._q8_holds.forget()
             deep = K.deep_decode(position)
             if deep in graphs:
+                if self._host_calls is not None:
+                    self._host_calls.arm()
                 graphs[deep].launch(self.stream)
                 return
             self._deep_decode = deep
@@ -426,8 +428,8 @@ class CupyBackend:
     def _moe_on_host(self, x, gate: CpuWeight, up: CpuWeight, down: CpuWeight, ids, weights, out,
                      activation: str) -> None:
         """The experts of a layer kept in RAM, computed by the CPU. One token: the stream copies x and the routing
-        to pinned memory, calls the CPU kernels (a host node when a decode step is captured) and copies their
-        result back, so the step stays one graph; their activations are int8 per 32 values, as this backend's own
+        to pinned memory, calls the CPU kernels (a host call, engine/kernels/host_calls.py, which a decode step's
+        graph captures) and copies their result back, so the step stays one graph; their activations are int8 per 32 values, as this backend's own
         kernels round them. A prompt chunk: this thread waits for the routing and computes."""
         if x.shape[0] > 1:
             self.synchronize()
@@ -445,7 +447,7 @@ class CupyBackend:
             cpu_experts.moe_ffn(stage["x"], gate, up, down, stage["ids"], stage["weights"], stage["out"], activation,
                                 HOST_EXPERT_THREADS, bits=8)
 
-        self._host_calls.launch(self.stream.ptr, (id(gate), id(up), id(down), activation), job)
+        self._host_calls.launch((id(gate), id(up), id(down), activation), job)
         cupy.cuda.runtime.memcpyAsync(out.data.ptr, stage["out"].ctypes.data, out.nbytes,
                                       cupy.cuda.runtime.memcpyHostToDevice, self.stream.ptr)
 

@@ -224,8 +224,8 @@ def test_experts_in_ram_give_the_all_gpu_model_s_tokens(tmp_path):
 
 
 def test_a_failing_host_call_is_raised_where_the_stream_is_waited_for():
-    """An exception inside the CPU's part of a decode step cannot cross the driver: it is kept and raised by the
-    next synchronize."""
+    """An exception inside the CPU's part of a decode step cannot reach the GPU: it is kept and raised by the
+    next synchronize, and the stream goes on."""
     backend = CupyBackend()
     from engine.kernels.host_calls import HostCalls
 
@@ -234,9 +234,41 @@ def test_a_failing_host_call_is_raised_where_the_stream_is_waited_for():
     def fail():
         raise ValueError("expert kernel failed")
 
-    calls.launch(backend.stream.ptr, "fail", fail)
+    with backend.stream:
+        calls.launch("fail", fail)
     backend.stream.synchronize()
     with pytest.raises(ValueError, match="expert kernel failed"):
         calls.check()
     calls.check()  # raised once
+    calls.close()
     backend.close()
+
+
+def test_host_calls_run_in_stream_order_in_a_graph_replayed_after_an_idle_pause():
+    """Jobs run between the stream's kernels, in order, from a captured graph too, also when the graph comes after
+    the host thread has stopped spinning (it then finds the call on its next idle look, or is armed)."""
+    import time
+
+    import cupy
+
+    from engine.kernels import host_calls
+    from engine.kernels.host_calls import HostCalls
+
+    calls, seen = HostCalls(), []
+    stream = cupy.cuda.Stream(non_blocking=True)
+    value = cupy.zeros(1, np.float32)
+    with stream:
+        stream.begin_capture()
+        for i in range(3):
+            value += 1  # the job must see the kernels queued before it, and none after
+            calls.launch(("job", i), lambda i=i: seen.append((i, float(value.get(stream=cupy.cuda.Stream.null)[0]))))
+        graph = stream.end_capture()
+    for replay in range(3):
+        if replay == 2:
+            time.sleep(2 * host_calls.SPIN_S)  # idle: the next call is found by a look, not a spin
+        graph.launch(stream)
+        stream.synchronize()
+    calls.check()
+    assert [i for i, _ in seen] == [0, 1, 2] * 3
+    assert [v for _, v in seen] == [float(n) for n in range(1, 10)]
+    calls.close()

@@ -716,3 +716,11 @@ def sigmoid_gate(x: Any, gate: Any, out: Any, accumulate: bool) -> None:
     launch("hybrid", "sigmoid_gate", (_blocks(n * m, 256),), (256,),
            (x, i64(x.strides[0] // 4), gate, i64(gate.strides[0] // 4), i32(gate.shape[1]), out,
             i64(out.strides[0] // 4), i32(n), i32(m), i32(1 if accumulate else 0)))
+
+
+# ---- host calls (host_call.cu) -------------------------------------------------------------------------------
+
+def host_call(state: np.ndarray, job: int) -> None:
+    """Announce job `job` in `state` (page-locked, engine/kernels/host_calls.py) and hold the stream until the host
+    answers. Launched plainly, never as a programmatic launch: nothing may start before the call is answered."""
+    kernel("host_call", "host_call")((1,), (1,), (np.uintp(state.ctypes.data), i64(job)))
