@@ -23,6 +23,7 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine import EngineError, GenerationSettings, load_model  # noqa: E402 - after the path fix above
+from engine.cpu import products  # noqa: E402
 
 FILLER = (
     "The history of the printing press begins in the fifteenth century, when movable type changed how books "
@@ -101,7 +102,7 @@ def main() -> int:
             "file_bytes": args.model.stat().st_size,
             # what loading added to the process (weights, caches, workspace; file pages the engine keeps mapped)
             "rss_growth_after_load_bytes": rss_growth,
-            "threads": os.cpu_count(),
+            "cpu_product_threads": products.threads(),  # STRATA_CPU_THREADS, else half the cores
             "machine": machine,
         }), flush=True)
     model.close()
