@@ -27,14 +27,15 @@ DEQUANT_SCRATCH_ELEMENTS = 64 * 2**20
 # Threads the CPU computes the experts kept in RAM with, while the GPU waits for them: every core but one (H200
 # machine, 16 cores, one layer's experts from a host call: 884 us on 15 threads, 1,023 on 14, 1,101 on 12, while the
 # thread waiting on the stream spun; bench/results/2026-12-02_ram_*). That thread now sleeps (host_calls.HostCalls),
-# and a probe then gave 957 us on 16 threads against 1,091 on 15, but no whole-model run on 16 has finished yet.
+# and a probe then gave 957 us on 16 threads against 1,091 on 15, but no whole-model run on 16 has finished within
+# 180 s (sessions 5 and 6): every core busy leaves none for the driver and the host-call thread.
 HOST_EXPERT_THREADS = int(os.environ.get("STRATA_CPU_THREADS") or max(1, (os.cpu_count() or 2) - 1))
 # RAM the CPU kernels' layout (engine/cpu/layout.py) takes per byte of the file, for each type it repacks (the others
 # keep their file's bytes): the legacy types hold float32 group scales, the K-quants their own 8-bit ones under
-# float32 super-block scales (tests/test_cpu_kernels.py holds each type to its ratio). The fit counts experts kept in
+# float32 super-block scales, Q3_K the Q6_K layout (tests/test_cpu_kernels.py holds each type to its ratio). The fit counts experts kept in
 # RAM at the largest ratio among a model's types.
 CPU_BYTES_PER_FILE_BYTE = {"Q4_0": 24 / 18, "Q4_1": 24 / 20, "Q5_0": 28 / 22, "Q5_1": 28 / 24, "Q8_0": 36 / 34,
-                           "Q4_K": 152 / 144, "Q5_K": 184 / 176, "Q6_K": 212 / 210}
+                           "Q4_K": 152 / 144, "Q5_K": 184 / 176, "Q6_K": 212 / 210, "Q3_K": 212 / 110}
 GPU_KV_DTYPE = np.dtype(np.float16)
 CPU_KV_DTYPE = np.dtype(np.float32)
 
@@ -70,6 +71,8 @@ def profile() -> dict[str, Any]:
         # The CPU path keeps the quantized weights, about the file's size (engine/cpu/layout.py).
         "cpu_weights_dequantized_to_f32": False,
         "cpu_bytes_per_file_byte": CPU_BYTES_PER_FILE_BYTE,
+        # The packed types (those with a layout ratio) and the float ones; the CPU dequantizes others row by row.
+        "cpu_kernel_types": {*CPU_BYTES_PER_FILE_BYTE, *(t.name for t in FLOAT_TYPES)},
         "kv_bytes_per_element_gpu": GPU_KV_DTYPE.itemsize,
         "kv_bytes_per_element_cpu": CPU_KV_DTYPE.itemsize,
         "prefill_chunk": MAX_PROMPT_CHUNK,

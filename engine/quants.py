@@ -167,19 +167,26 @@ def _q2_k(blocks: np.ndarray) -> np.ndarray:
     return (dl * q - ml).reshape(n, QK_K)
 
 
-def _q3_k(blocks: np.ndarray) -> np.ndarray:
+def q3_k_fields(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q3_K's quants (n, 16, 16) int8 in [-4, 3], the int8 scale of each 16 values (n, 16) and d (n, 1) float32:
+    value = (d * scale) * quant."""
     n = blocks.shape[0]
     packed = blocks[:, 96:108]
     # 16 six-bit scales: low nibbles in bytes 0-7 (scale i or i + 8), top 2 bits in bytes 8-11
     low = split_bits(packed[:, :8], 4).reshape(n, 16)
     high = split_bits(packed[:, 8:], 2).reshape(n, 16)
     scales = (low | (high << np.uint8(4))).astype(np.int8) - np.int8(32)
-    dl = (f16_field(blocks, 108) * scales.astype(np.float32)).reshape(n, 16, 1)
     # a clear mask bit means the value is 4 lower
     hmask = split_bits(blocks[:, :32], 1).reshape(n, 16, 16)
     low_q = _two_bit_256(blocks[:, 32:96])
     q = low_q.astype(np.int8) - ((hmask ^ np.uint8(1)) << np.uint8(2)).astype(np.int8)
-    return (dl * q.astype(np.float32)).reshape(n, QK_K)
+    return q, scales, f16_field(blocks, 108)
+
+
+def _q3_k(blocks: np.ndarray) -> np.ndarray:
+    q, scales, d = q3_k_fields(blocks)
+    dl = (d * scales.astype(np.float32)).reshape(-1, 16, 1)
+    return (dl * q.astype(np.float32)).reshape(-1, QK_K)
 
 
 def _k_scales_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

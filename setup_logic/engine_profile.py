@@ -22,6 +22,10 @@ class EngineProfile(BaseModel):
         description="RAM the CPU path's layout of quantized weights takes per byte of the file's, for each tensor "
         "type it repacks; other types keep their file's bytes"
     )
+    cpu_kernel_types: set[str] = Field(
+        description="tensor types the CPU computes one token on at about its memory's speed (its kernels' types and the "
+        "float ones); it dequantizes the others a few rows at a time, far slower"
+    )
     kv_bytes_per_element_gpu: int = Field(gt=0)
     kv_bytes_per_element_cpu: int = Field(gt=0)
     prefill_chunk: int = Field(gt=0, description="tokens per prompt chunk, which sizes the workspace")

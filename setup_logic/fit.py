@@ -35,10 +35,11 @@ MIB = 1 << 20
 # model at the edge does not push the OS into swapping or the GPU out of memory.
 _FIT_FRACTION = 0.95
 # What a loaded model holds in RAM besides weights, KV cache and workspace: mostly the tokenizer and the
-# vocabulary's metadata. Measured on the CPU path after load (the engine unmaps the GGUF once loaded): 66 MB
-# for SmolLM2's 49,152 tokens and 353 MB for Gemma 3's 262,144, i.e. about 1.35 KB per token.
-_RAM_BASE_BYTES = 16 * MIB
-_RAM_PER_VOCAB_TOKEN = 1400
+# vocabulary's metadata. Measured on the CPU path after load (the engine unmaps the GGUF once loaded), the process's
+# growth less the weights the engine holds: 65.5 MB for SmolLM2's 49,152 tokens and 356 MB for Gemma 3's 262,144,
+# i.e. about 1.35 KB per token (2026-12-02, the 2-core VM).
+_RAM_BASE_BYTES = 4 * MIB
+_RAM_PER_VOCAB_TOKEN = 1360
 # CUDA context, loaded kernel modules and cuBLAS workspace on the GPU: 638-727 MB outside CuPy's pool measured on an
 # H200 (CUDA 13, CuPy 14.2) for three models (bench/RESULTS.md); other cards and CUDA versions are unmeasured.
 # The driver's host side in RAM is a typical figure, not measured against our engine.
@@ -50,8 +51,12 @@ _CUDA_HOST_BYTES = 300 * MIB
 # GB/s of the file's bytes for 4096x14336 and 14336x4096 Q4 products (bench/results/2026-12-01_cpuint16_products_*).
 # Below _MIN_CPU_TOKENS_PER_S an answer takes minutes, so such a model is not offered for the CPU even when it
 # fits in RAM.
+# Tensor types without a CPU kernel (EngineProfile.cpu_kernel_types) are dequantized a few rows at a time for BLAS:
+# 0.046-0.095 GB/s of the file's bytes for IQ3_S, IQ4_XS and Q2_K experts' matrices on a 2-core EPYC VM, one thread,
+# against 5.9-13.8 for the kernels' types on the same matrices (bench/results/2026-12-02_s6_cpu_tile_products.jsonl).
 _CPU_F32_BYTES_PER_S = 10e9
 _CPU_QUANTIZED_BYTES_PER_S = 5e9
+_CPU_TILE_BYTES_PER_S = 0.05e9
 _MIN_CPU_TOKENS_PER_S = 2.0
 # Tiny demo models answer fast but poorly; "speed" picks them only when nothing better fits.
 _MIN_USEFUL_QUALITY = 3.0
@@ -166,9 +171,19 @@ def workspace_bytes(model: CatalogModel, context_length: int, engine: EngineProf
 
 
 def _cpu_layout_ratio(model: CatalogModel, engine: EngineProfile) -> float:
-    """RAM per file byte of experts kept in RAM: the largest ratio among the model's tensor types (the catalog does
-    not say which of them the experts use)."""
+    """RAM per file byte of weights the CPU holds: the largest ratio among the model's tensor types (the catalog does
+    not say which tensors use which)."""
     return max((engine.cpu_bytes_per_file_byte.get(t, 1.0) for t in model.tensor_types), default=1.0)
+
+
+def _main_type_ratio(model: CatalogModel, engine: EngineProfile) -> float:
+    """RAM per file byte of a whole model on the CPU: its quant label's own type's ratio ("Q4_K" of "UD-Q4_K_XL"),
+    which holds the bulk of the weights (a mix's few tensors of other types move it little), else the largest."""
+    label = model.quant.removeprefix("UD-")
+    named = [t for t in model.tensor_types if label.startswith(t)]
+    if not named:
+        return _cpu_layout_ratio(model, engine)
+    return engine.cpu_bytes_per_file_byte.get(max(named, key=len), 1.0)
 
 
 def estimate_memory(
@@ -189,7 +204,7 @@ def estimate_memory(
     f32 = engine.cpu_weights_dequantized_to_f32
     ram_expert_read = staging = 0
     if level == "cpu":
-        ram_weights = round(model.params_b * 1e9 * 4) if f32 else file_bytes
+        ram_weights = round(model.params_b * 1e9 * 4) if f32 else round(file_bytes * _main_type_ratio(model, engine))
         gpu_weights = gpu_overhead = 0
         kv = kv_cache_bytes(model, context_length, engine.kv_bytes_per_element_cpu)
     else:
@@ -216,7 +231,7 @@ def estimate_memory(
             staging = round(ram_expert_file_bytes * ratio / expert_layers_in_ram)
     state = model.recurrent_state_bytes
     on_gpu = level != "cpu"
-    # Every page is read once to upload or repack it; the quantized CPU path is measured at about the file's size.
+    # Every page is read once to upload or repack it; the quantized CPU path holds its repacked copy, not the file.
     reclaimable = 0 if level == "cpu" and not f32 else file_bytes
     vram = gpu_weights + gpu_overhead + staging + ((kv + state + workspace) if on_gpu else 0)
     ram_required = ram_weights + ram_overhead + (0 if on_gpu else kv + state + workspace)
@@ -339,7 +354,7 @@ def _levels(model: CatalogModel, engine: EngineProfile, budget: _Budget) -> list
     levels: list[Level] = []
     if budget.vram > 0 and gpu_gap(model, engine) is None:
         levels.append("gpu")
-        if model.is_moe and engine.experts_in_ram:
+        if model.is_moe and engine.experts_in_ram and not cpu_tile_types(model, engine):  # the CPU computes those
             levels.append("gpu+ram")
     levels.append("cpu")
     return levels
@@ -384,17 +399,32 @@ def cpu_bytes_read_per_token(model: CatalogModel, engine: EngineProfile) -> floa
     return active * 4 if engine.cpu_weights_dequantized_to_f32 else bytes_read_per_token(model)
 
 
+def cpu_tile_types(model: CatalogModel, engine: EngineProfile) -> list[str]:
+    """The model's tensor types the CPU has no kernel for (none when it keeps float32 weights)."""
+    if engine.cpu_weights_dequantized_to_f32:
+        return []
+    return sorted(set(model.tensor_types) - engine.cpu_kernel_types)
+
+
 def cpu_tokens_per_second(model: CatalogModel, engine: EngineProfile) -> float:
-    """Rough decode speed of the CPU path: memory-bound, one pass over the weights per token."""
-    rate = _CPU_F32_BYTES_PER_S if engine.cpu_weights_dequantized_to_f32 else _CPU_QUANTIZED_BYTES_PER_S
+    """Rough decode speed of the CPU path: memory-bound, one pass over the weights per token. A type without a CPU
+    kernel counts for all the weights: the catalog does not say which tensors it holds, and a quant's own type holds
+    the bulk of them."""
+    if engine.cpu_weights_dequantized_to_f32:
+        rate = _CPU_F32_BYTES_PER_S
+    else:
+        rate = _CPU_TILE_BYTES_PER_S if cpu_tile_types(model, engine) else _CPU_QUANTIZED_BYTES_PER_S
     return rate / cpu_bytes_read_per_token(model, engine)
 
 
 def _why_too_slow(model: CatalogModel, engine: EngineProfile, budget: _Budget) -> str:
     gpu_hint = "" if budget.vram > 0 or gpu_gap(model, engine) else "; on an NVIDIA GPU it would run far faster"
+    tiles = cpu_tile_types(model, engine)
+    why = (f"the CPU has no kernel for its {', '.join(tiles)} tensors and dequantizes them row by row, "
+           if tiles else "")
     return (
-        f"Too slow on this PC's CPU: it reads {gb(cpu_bytes_read_per_token(model, engine))} of weights per token, "
-        f"about {cpu_tokens_per_second(model, engine):.1f} tokens/s{gpu_hint}."
+        f"Too slow on this PC's CPU: {why}it reads {gb(cpu_bytes_read_per_token(model, engine))} of weights per "
+        f"token, about {cpu_tokens_per_second(model, engine):.2f} tokens/s{gpu_hint}."
     )
 
 

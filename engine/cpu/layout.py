@@ -10,11 +10,14 @@ order for Q4_0), so a kernel widens a group to 32 bytes with one mask and one sh
   scale and min (uint8), `sup` each 256-value super-block's fp16 d and dmin as float32, and value =
   (sup_d * scale) * q - sup_dmin * min, the float32 steps of gguf's dequantizer.
 - "q8" (Q8_0): value = d[b] * q, 32 int8 a group.
-- "q6k" (Q6_K): value = (sup[b // 8] * d[2 b + half]) * ((lo | hi2 << 4) - 32), d the int8 scale of each 16
-  values, `hi` 8 bytes a group, bits 2 s..2 s + 1 of byte t the top bits of value t + 8 s.
+- "q6k" (Q6_K, Q3_K): value = (sup[b // 8] * d[2 b + half]) * ((lo | hi2 << 4) - 32), d the int8 scale of each 16
+  values, `hi` 8 bytes a group, bits 2 s..2 s + 1 of byte t the top bits of value t + 8 s. A Q3_K quant q in
+  [-4, 3] is stored as q + 32 under its 6-bit scale minus 32: gguf's own float32 steps, read by the Q6_K kernels, at
+  twice the file's bytes (a kernel of its own would read 13.75 bytes a group instead of 26.5).
 
 The K-quants keep about their file's size (Q4_K 19 bytes a group against 18, Q5_K 23 against 22, Q6_K 26.5
-against 26.25): a mixture's experts kept in RAM are read from there at every token. The legacy types keep float32
+against 26.25; Q3_K, in Q6_K's layout, 26.5 against 13.75): a mixture's experts kept in RAM are read from there at
+every token. The legacy types keep float32
 scales (24 bytes a Q4_0 group against 18): the default CPU model's weights, their kernels left as measured.
 """
 
@@ -27,16 +30,16 @@ from gguf import GGMLQuantizationType as T
 
 from engine.cpu import unpack as unpack_rows
 from engine.quant_fields import bits_little, f16_field, split_bits
-from engine.quants import block_layout
+from engine.quants import block_layout, q3_k_fields
 
 GROUP = 32
 SUPER = 8  # groups in a K-quant super-block (256 values)
 NIBBLE_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1})
 K_NIBBLE_TYPES = frozenset({T.Q4_K, T.Q5_K})
-PACKED_TYPES = NIBBLE_TYPES | K_NIBBLE_TYPES | {T.Q8_0, T.Q6_K}
+PACKED_TYPES = NIBBLE_TYPES | K_NIBBLE_TYPES | {T.Q8_0, T.Q6_K, T.Q3_K}
 # Bytes a group and bytes a super-block of each packed type.
 _BYTES = {T.Q4_0: (24, 0), T.Q4_1: (24, 0), T.Q5_0: (28, 0), T.Q5_1: (28, 0), T.Q8_0: (36, 0),
-          T.Q4_K: (18, 8), T.Q5_K: (22, 8), T.Q6_K: (26, 4)}
+          T.Q4_K: (18, 8), T.Q5_K: (22, 8), T.Q6_K: (26, 4), T.Q3_K: (26, 4)}
 
 
 @dataclass
@@ -92,6 +95,9 @@ def pack(raw: np.ndarray, qtype: T, rows: int, k: int) -> Planes:
                       f16_field(blocks, 0).reshape(rows, groups), none, none)
     if qtype == T.Q6_K:
         return _pack_q6k(blocks, rows, k)
+    if qtype == T.Q3_K:
+        q, scales, d = q3_k_fields(blocks)
+        return _q6k_planes((q + np.int8(32)).view(np.uint8).reshape(-1, GROUP), scales, d, rows, k)
     if qtype in K_NIBBLE_TYPES:
         q, scales_mins, sup = _k_nibble_values(blocks, qtype)
         d, m, family = scales_mins.reshape(rows, 2 * groups), none, "nibble_k"
@@ -167,7 +173,12 @@ def _pack_q6k(blocks: np.ndarray, rows: int, k: int) -> Planes:
     high = split_bits(blocks[:, 128:192].reshape(n, 2, 32), 2).reshape(n, 2, 128)
     q = (low | (high << np.uint8(4))).reshape(-1, GROUP)  # 0-63, value + 32
     scales = np.ascontiguousarray(blocks[:, 192:208]).view(np.int8)  # (n, 16): one per 16 values
+    return _q6k_planes(q, scales, f16_field(blocks, 208), rows, k)
+
+
+def _q6k_planes(q: np.ndarray, scales: np.ndarray, d: np.ndarray, rows: int, k: int) -> Planes:
+    """The "q6k" planes of values q + 32 (n_groups, 32) in 0-63, int8 scales (n_blocks, 16) and d (n_blocks, 1)."""
     top = (q >> np.uint8(4)).reshape(-1, 4, 8)  # [group, s, t]: value t + 8 s
     hi = top[:, 0] | (top[:, 1] << np.uint8(2)) | (top[:, 2] << np.uint8(4)) | (top[:, 3] << np.uint8(6))
     return Planes("q6k", k, _nibble_bytes(q).reshape(rows, -1), hi.reshape(rows, -1), scales.reshape(rows, -1),
-                  np.zeros((rows, 0), np.float32), f16_field(blocks, 208).reshape(rows, -1))
+                  np.zeros((rows, 0), np.float32), d.reshape(rows, -1))
