@@ -19,6 +19,7 @@ import numpy as np
 from engine.cpu import layout
 from engine.cpu.weights import CpuWeight
 from engine.kernels.cuda import StagedWeight
+from engine.kernels.kernel_names import HOST_LAYOUTS
 
 ALIGN = 256  # each plane's start inside the pinned buffer and the staging buffer
 
@@ -52,8 +53,8 @@ def suffix(planes: layout.Planes) -> str:
 
 
 def streamable(weights: Sequence[CpuWeight]) -> bool:
-    """Whether the grouped kernels read these experts: packed planes, and gate and up of one layout."""
-    if any(w.planes is None for w in weights):
+    """Whether the grouped kernels read these experts: packed planes of layouts they have, gate and up of one."""
+    if any(w.planes is None or suffix(w.planes) not in HOST_LAYOUTS for w in weights):
         return False
     gate, up = weights[0], weights[1]
     return suffix(gate.planes) == suffix(up.planes)

@@ -76,13 +76,19 @@ def _iq4_nl(blocks: np.ndarray) -> np.ndarray:
     return f16_field(blocks, 0) * _IQ4NL_F32[q]
 
 
-def _iq4_xs(blocks: np.ndarray) -> np.ndarray:
+def iq4_xs_fields(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """IQ4_XS's indices into IQ4NL_VALUES (n, 8, 32), each 32 values' 6-bit scale minus 32 (n, 8) int8 and d (n, 1)
+    float32: value = (d * scale) * IQ4NL_VALUES[index]."""
     n = blocks.shape[0]
     high = (blocks[:, 2:4].view("<u2") >> np.arange(0, 16, 2, dtype=np.uint16)) & np.uint16(3)
     scales = (interleaved_nibbles(blocks[:, 4:8]) | (high.astype(np.uint8) << np.uint8(4))).astype(np.int8)
-    dl = (f16_field(blocks, 0) * (scales - np.int8(32)).astype(np.float32)).reshape(n, 8, 1)
-    q = split_bits(blocks[:, 8:].reshape(n, 8, 16), 4).reshape(n, 8, 32)
-    return (dl * _IQ4NL_F32[q]).reshape(n, QK_K)
+    return split_bits(blocks[:, 8:].reshape(n, 8, 16), 4).reshape(n, 8, 32), scales - np.int8(32), f16_field(blocks, 0)
+
+
+def _iq4_xs(blocks: np.ndarray) -> np.ndarray:
+    q, scales, d = iq4_xs_fields(blocks)
+    dl = (d * scales.astype(np.float32)).reshape(-1, 8, 1)
+    return (dl * _IQ4NL_F32[q]).reshape(-1, QK_K)
 
 
 def _sign_indices(words: np.ndarray) -> np.ndarray:

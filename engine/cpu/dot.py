@@ -33,6 +33,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from engine.cpu.ops import glu
+from engine.quants_iq import IQ4NL_VALUES
 
 PREFETCH_BYTES = 4096
 
@@ -121,9 +122,11 @@ def _splat(builder, value, n=8):
 
 
 # family: (bytes a group in lo, bytes a group in hi, signed quants).
-FAMILIES = {"nibble": (16, 0, False), "nibble5": (16, 4, False), "q8": (32, 0, True),
+FAMILIES = {"nibble": (16, 0, False), "nibble5": (16, 4, False), "q8": (32, 0, True), "iq4": (16, 0, False),
             "nibble_k": (16, 0, False), "nibble5_k": (16, 4, False), "q6k": (16, 8, False)}
-K_FAMILIES = ("nibble_k", "nibble5_k", "q6k")
+K_FAMILIES = ("nibble_k", "nibble5_k", "q6k", "iq4")
+# IQ4_XS's 16 levels (engine/quants_iq.py IQ4NL_VALUES) plus 128: what a nibble of the "iq4" family stands for.
+_IQ4_LEVELS = [int(v) + 128 for v in IQ4NL_VALUES]
 
 
 def _group_quants(builder, family, lo_p, hi_p, group):
@@ -135,10 +138,25 @@ def _group_quants(builder, family, lo_p, hi_p, group):
     if signed:
         return lo
     u = _nibbles(builder, lo)
+    if family == "iq4":
+        return _levels(builder, u)
     if hi_bytes:
         hi = _load(builder, hi_p, builder.mul(group, _I64(hi_bytes)), hi_bytes)
         u = builder.or_(u, _fifth_bits(builder, hi) if hi_bytes == 4 else _two_high_bits(builder, hi))
     return u
+
+
+def _levels(builder, index):
+    """<32 x u8> nibbles -> the IQ4 levels they pick (plus 128): one byte shuffle on x86, a select per level
+    elsewhere."""
+    if _AVX2:
+        table = _const(_I8, [v - 256 if v > 127 else v for v in _IQ4_LEVELS] * 2)  # each 128-bit lane its own copy
+        shuffle = _function(builder, "llvm.x86.avx2.pshuf.b", _vec(_I8, 32), [_vec(_I8, 32)] * 2)
+        return builder.call(shuffle, [table, index])
+    out = _const(_I8, [0] * 32)
+    for i, level in enumerate(_IQ4_LEVELS):
+        out = builder.select(builder.icmp_unsigned("==", index, _const(_I8, [i] * 32)), _const(_I8, [level] * 32), out)
+    return out
 
 
 def _quad_sums(builder, u, x):
@@ -206,7 +224,7 @@ def _k_row_codegen(family):
     times the super-block's float32 scale and the activation's, and their offsets are summed in the same pass. (An
     integer-to-float step and two loads in every group's step made that loop 25% slower on one Zen core, bound by
     its instructions.)"""
-    q6k = family == "q6k"
+    q6k, iq4 = family == "q6k", family == "iq4"
 
     def codegen(context, builder, sig, args):
         lo_p, hi_p, d_p, sup_p, x_p, dx_p, xs_p = (context.make_array(t)(context, builder, a).data
@@ -222,11 +240,17 @@ def _k_row_codegen(family):
             s = loop.index
             first_b = builder.mul(s, _I64(8))
             first_group = builder.add(builder.mul(row, groups), first_b)
-            bytes16 = _load(builder, d_p, builder.mul(first_group, _I64(2)), 16)  # two bytes a group
+            bytes16 = _load(builder, d_p, builder.mul(first_group, _I64(1 if iq4 else 2)), 8 if iq4 else 16)
             dx = _floats(builder, dx_p, first_b, 8)
-            if q6k:  # 16 scales, one a half group; offsets: scale times the half group's activation sum
+            sup_at = builder.add(builder.mul(row, supers), s)
+            if iq4:  # a signed scale a group; offsets: scale times the group's activation sum
+                scale = builder.fmul(builder.sitofp(bytes16, _vec(_F32, 8)),
+                                     _splat(builder, builder.load(builder.gep(sup_p, [sup_at]))), flags=_FAST)
+                offset = builder.fmul(scale, _floats(builder, xs_p, first_b, 8), flags=_FAST)
+                scale = builder.fmul(scale, dx, flags=_FAST)
+            elif q6k:  # 16 scales, one a half group; offsets: scale times the half group's activation sum
                 scale = builder.fmul(builder.sitofp(bytes16, _vec(_F32, 16)),
-                                     _splat(builder, builder.load(builder.gep(sup_p, [builder.add(builder.mul(row, supers), s)])), 16),
+                                     _splat(builder, builder.load(builder.gep(sup_p, [sup_at])), 16),
                                      flags=_FAST)
                 halves = _shuffle(builder, _floats(builder, xs_p, first_b, 8),
                                   _floats(builder, xs_p, builder.add(groups, first_b), 8),
@@ -234,7 +258,7 @@ def _k_row_codegen(family):
                 offset = builder.fmul(scale, halves, flags=_FAST)
                 scale = builder.fmul(scale, _shuffle(builder, dx, dx, [i // 2 for i in range(16)]), flags=_FAST)
             else:  # the group's scale and min, interleaved, times the super-block's d and dmin
-                at = builder.mul(builder.add(builder.mul(row, supers), s), _I64(2))
+                at = builder.mul(sup_at, _I64(2))
                 sup_d, sup_min = (builder.load(builder.gep(sup_p, [builder.add(at, _I64(i))])) for i in (0, 1))
                 six_bit = [builder.uitofp(_shuffle(builder, bytes16, bytes16, range(i, 16, 2)), _vec(_F32, 8)) for i in (0, 1)]
                 scale = builder.fmul(builder.fmul(six_bit[0], _splat(builder, sup_d), flags=_FAST), dx, flags=_FAST)
@@ -248,8 +272,8 @@ def _k_row_codegen(family):
                                    builder.add(first_b, _I64(g)), picked, total, x_bits)
             builder.store(total, acc)
         offset = _reduce(builder, builder.load(offsets))
-        if q6k:  # the quants are stored plus 32
-            offset = builder.fmul(offset, _F32(32.0), flags=_FAST)
+        if q6k or iq4:  # the quants are stored plus 32, the levels read plus 128
+            offset = builder.fmul(offset, _F32(32.0 if q6k else 128.0), flags=_FAST)
         return builder.fsub(_reduce(builder, builder.load(acc)), offset, flags=_FAST)
 
     return codegen
@@ -272,8 +296,8 @@ def _row_intrinsic(family):
     return row_dot
 
 
-_NIBBLE, _NIBBLE5, _NIBBLE_K, _NIBBLE5_K, _Q8, _Q6K = (
-    _row_intrinsic(family) for family in ("nibble", "nibble5", "nibble_k", "nibble5_k", "q8", "q6k"))
+_NIBBLE, _NIBBLE5, _NIBBLE_K, _NIBBLE5_K, _Q8, _Q6K, _IQ4 = (
+    _row_intrinsic(family) for family in ("nibble", "nibble5", "nibble_k", "nibble5_k", "q8", "q6k", "iq4"))
 
 
 _JIT = dict(nogil=True, fastmath=set(_FAST), cache=not _PORTABLE, error_model="numpy", boundscheck=False)
@@ -350,6 +374,13 @@ def q8_rows(q, d, xq, dx, out, r0, r1):
 
 
 @njit(**_JIT)
+def iq4_rows(lo, d, sup, xq, dx, xs, out, r0, r1):
+    """value = (sup d) IQ4NL_VALUES[nibble]; d (rows, groups) int8, sup (rows, groups / 8)."""
+    for r in range(r0, r1):
+        out[r - r0] = _IQ4(lo, lo, d, sup, xq, dx, xs, r, dx.shape[0])
+
+
+@njit(**_JIT)
 def q6k_rows(lo, hi, d, sup, xq, dx, halves, out, r0, r1):
     """value = sup d[half] ((nibble | two high bits << 4) - 32); d (rows, 2 groups) int8, a scale per 16 values,
     sup (rows, groups / 8) a super-block's d."""
@@ -363,7 +394,7 @@ numba.config.THREADING_LAYER = "threadsafe"
 
 # The kernels below take a matrix as its planes (lo, hi, d, m, sup: layout.Planes.arrays()) with its family's code,
 # and an activation as (q, scale, sums, half_sums): one compiled kernel serves every family.
-FAMILY_CODES = {"nibble": 0, "nibble_k": 1, "q8": 2, "q6k": 3}
+FAMILY_CODES = {"nibble": 0, "nibble_k": 1, "q8": 2, "q6k": 3, "iq4": 4}
 
 
 @njit(**_JIT)
@@ -377,8 +408,10 @@ def family_rows(family, w, x, a, out, r0, r1):
         nibble_k_rows(lo, hi, d, sup, xq, dx, xs, out, r0, r1)
     elif family == 2:
         q8_rows(lo, d, xq, dx, out, r0, r1)
-    else:
+    elif family == 3:
         q6k_rows(lo, hi, d, sup, xq, dx, hs, out, r0, r1)
+    else:
+        iq4_rows(lo, d, sup, xq, dx, xs, out, r0, r1)
 
 
 # A range (r0, r1, o, a) computes rows [r0, r1) of a matrix with activation row a into out[o : o + r1 - r0]: one

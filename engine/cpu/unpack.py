@@ -54,6 +54,20 @@ def nibble_k_rows(lo, hi, d, sup, rows, out):
 
 
 @njit(**_EXACT)
+def iq4_rows(lo, d, sup, values, rows, out):
+    """gguf's IQ4_XS steps: scale = d * (sc - 32), one float32 product, times the level the nibble picks."""
+    groups = d.shape[1]
+    for i in range(rows.shape[0]):
+        r = rows[i]
+        for b in range(groups):
+            scale = sup[r, b >> 3] * _F(d[r, b])
+            for j in range(16):
+                v = lo[r, 16 * b + j]
+                out[i, b * 32 + j] = scale * _F(values[v & _U8(15)])
+                out[i, b * 32 + 16 + j] = scale * _F(values[v >> _U8(4)])
+
+
+@njit(**_EXACT)
 def q8_rows(q, d, rows, out):
     groups = d.shape[1]
     for i in range(rows.shape[0]):
