@@ -36,7 +36,7 @@ HOST_EXPERT_THREADS = int(os.environ.get("STRATA_CPU_THREADS") or max(1, (os.cpu
 # RAM at the largest ratio among a model's types.
 CPU_BYTES_PER_FILE_BYTE = {"Q4_0": 24 / 18, "Q4_1": 24 / 20, "Q5_0": 28 / 22, "Q5_1": 28 / 24, "Q8_0": 36 / 34,
                            "Q4_K": 152 / 144, "Q5_K": 184 / 176, "Q6_K": 212 / 210, "Q3_K": 212 / 110,
-                           "IQ4_XS": 140 / 136}
+                           "Q2_K": 152 / 84, "IQ4_XS": 140 / 136}
 GPU_KV_DTYPE = np.dtype(np.float16)
 CPU_KV_DTYPE = np.dtype(np.float32)
 

@@ -157,14 +157,17 @@ def _two_bit_256(qs: np.ndarray) -> np.ndarray:
     return split_bits(qs.reshape(n, 2, 32), 2).reshape(n, 16, 16)
 
 
+def q2_k_fields(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Q2_K's quants (n, 16, 16) uint8 in [0, 3], each 16 values' byte (scale in the low nibble, min in the high),
+    d and dmin (n, 1) float32: value = (d * scale) * quant - dmin * min."""
+    return _two_bit_256(blocks[:, 16:80]), blocks[:, :16], f16_field(blocks, 80), f16_field(blocks, 82)
+
+
 def _q2_k(blocks: np.ndarray) -> np.ndarray:
-    n = blocks.shape[0]
-    scales = blocks[:, :16]
-    d, dmin = f16_field(blocks, 80), f16_field(blocks, 82)
-    dl = (d * (scales & np.uint8(0x0F)).astype(np.float32)).reshape(n, 16, 1)
-    ml = (dmin * (scales >> np.uint8(4)).astype(np.float32)).reshape(n, 16, 1)
-    q = _two_bit_256(blocks[:, 16:80]).astype(np.float32)
-    return (dl * q - ml).reshape(n, QK_K)
+    q, scales, d, dmin = q2_k_fields(blocks)
+    dl = (d * (scales & np.uint8(0x0F)).astype(np.float32)).reshape(-1, 16, 1)
+    ml = (dmin * (scales >> np.uint8(4)).astype(np.float32)).reshape(-1, 16, 1)
+    return (dl * q.astype(np.float32) - ml).reshape(-1, QK_K)
 
 
 def q3_k_fields(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -122,9 +122,9 @@ def _splat(builder, value, n=8):
 
 
 # family: (bytes a group in lo, bytes a group in hi, signed quants).
-FAMILIES = {"nibble": (16, 0, False), "nibble5": (16, 4, False), "q8": (32, 0, True), "iq4": (16, 0, False),
+FAMILIES = {"nibble": (16, 0, False), "nibble5": (16, 4, False), "q8": (32, 0, True), "iq4": (16, 0, False), "q2k": (16, 0, False),
             "nibble_k": (16, 0, False), "nibble5_k": (16, 4, False), "q6k": (16, 8, False)}
-K_FAMILIES = ("nibble_k", "nibble5_k", "q6k", "iq4")
+K_FAMILIES = ("nibble_k", "nibble5_k", "q6k", "iq4", "q2k")
 # IQ4_XS's 16 levels (engine/quants_iq.py IQ4NL_VALUES) plus 128: what a nibble of the "iq4" family stands for.
 _IQ4_LEVELS = [int(v) + 128 for v in IQ4NL_VALUES]
 
@@ -224,7 +224,8 @@ def _k_row_codegen(family):
     times the super-block's float32 scale and the activation's, and their offsets are summed in the same pass. (An
     integer-to-float step and two loads in every group's step made that loop 25% slower on one Zen core, bound by
     its instructions.)"""
-    q6k, iq4 = family == "q6k", family == "iq4"
+    q6k, iq4, q2k = family == "q6k", family == "iq4", family == "q2k"
+    halves = q6k or q2k  # a scale (and a min) for each 16 values
 
     def codegen(context, builder, sig, args):
         lo_p, hi_p, d_p, sup_p, x_p, dx_p, xs_p = (context.make_array(t)(context, builder, a).data
@@ -232,7 +233,7 @@ def _k_row_codegen(family):
         d_p, sup_p = builder.bitcast(d_p, _I8.as_pointer()), builder.bitcast(sup_p, _F32.as_pointer())
         row, groups, x_bits = args[7], args[8], sig.args[4].dtype.bitwidth
         acc = cgutils.alloca_once_value(builder, ir.Constant(_vec(_F32, 8), [0.0] * 8))
-        lanes = 16 if q6k else 8
+        lanes = 16 if halves else 8
         offsets = cgutils.alloca_once_value(builder, ir.Constant(_vec(_F32, lanes), [0.0] * lanes))
         x_p = builder.bitcast(x_p, _I8.as_pointer())
         supers = builder.lshr(groups, _I64(3))
@@ -248,14 +249,22 @@ def _k_row_codegen(family):
                                      _splat(builder, builder.load(builder.gep(sup_p, [sup_at]))), flags=_FAST)
                 offset = builder.fmul(scale, _floats(builder, xs_p, first_b, 8), flags=_FAST)
                 scale = builder.fmul(scale, dx, flags=_FAST)
-            elif q6k:  # 16 scales, one a half group; offsets: scale times the half group's activation sum
-                scale = builder.fmul(builder.sitofp(bytes16, _vec(_F32, 16)),
-                                     _splat(builder, builder.load(builder.gep(sup_p, [sup_at])), 16),
-                                     flags=_FAST)
-                halves = _shuffle(builder, _floats(builder, xs_p, first_b, 8),
-                                  _floats(builder, xs_p, builder.add(groups, first_b), 8),
-                                  [i // 2 + 8 * (i % 2) for i in range(16)])
-                offset = builder.fmul(scale, halves, flags=_FAST)
+            elif halves:  # 16 scales, one a half group, offsets over the half group's activation sums: Q6_K's
+                # scale times them, Q2_K's min (the byte's high nibble) times dmin times them
+                sums = _shuffle(builder, _floats(builder, xs_p, first_b, 8),
+                                _floats(builder, xs_p, builder.add(groups, first_b), 8),
+                                [i // 2 + 8 * (i % 2) for i in range(16)])
+                if q6k:
+                    scale = builder.fmul(builder.sitofp(bytes16, _vec(_F32, 16)),
+                                         _splat(builder, builder.load(builder.gep(sup_p, [sup_at])), 16), flags=_FAST)
+                    offset = builder.fmul(scale, sums, flags=_FAST)
+                else:
+                    sup_d, sup_min = (builder.load(builder.gep(sup_p, [builder.add(builder.mul(sup_at, _I64(2)), _I64(i))]))
+                                      for i in (0, 1))
+                    low = builder.uitofp(builder.and_(bytes16, _const(_I8, [15] * 16)), _vec(_F32, 16))
+                    high = builder.uitofp(builder.lshr(bytes16, _const(_I8, [4] * 16)), _vec(_F32, 16))
+                    scale = builder.fmul(low, _splat(builder, sup_d, 16), flags=_FAST)
+                    offset = builder.fmul(builder.fmul(high, _splat(builder, sup_min, 16), flags=_FAST), sums, flags=_FAST)
                 scale = builder.fmul(scale, _shuffle(builder, dx, dx, [i // 2 for i in range(16)]), flags=_FAST)
             else:  # the group's scale and min, interleaved, times the super-block's d and dmin
                 at = builder.mul(sup_at, _I64(2))
@@ -267,7 +276,7 @@ def _k_row_codegen(family):
             builder.store(builder.fadd(builder.load(offsets), offset, flags=_FAST), offsets)
             total = builder.load(acc)
             for g in range(8):
-                picked = [builder.extract_element(scale, _I32(g * (2 if q6k else 1) + h)) for h in range(2 if q6k else 1)]
+                picked = [builder.extract_element(scale, _I32(g * (2 if halves else 1) + h)) for h in range(2 if halves else 1)]
                 total = _add_group(builder, family, lo_p, hi_p, x_p, builder.add(first_group, _I64(g)),
                                    builder.add(first_b, _I64(g)), picked, total, x_bits)
             builder.store(total, acc)
@@ -296,8 +305,8 @@ def _row_intrinsic(family):
     return row_dot
 
 
-_NIBBLE, _NIBBLE5, _NIBBLE_K, _NIBBLE5_K, _Q8, _Q6K, _IQ4 = (
-    _row_intrinsic(family) for family in ("nibble", "nibble5", "nibble_k", "nibble5_k", "q8", "q6k", "iq4"))
+_NIBBLE, _NIBBLE5, _NIBBLE_K, _NIBBLE5_K, _Q8, _Q6K, _IQ4, _Q2K = (
+    _row_intrinsic(family) for family in ("nibble", "nibble5", "nibble_k", "nibble5_k", "q8", "q6k", "iq4", "q2k"))
 
 
 _JIT = dict(nogil=True, fastmath=set(_FAST), cache=not _PORTABLE, error_model="numpy", boundscheck=False)
@@ -374,6 +383,14 @@ def q8_rows(q, d, xq, dx, out, r0, r1):
 
 
 @njit(**_JIT)
+def q2k_rows(lo, d, sup, xq, dx, halves, out, r0, r1):
+    """value = (sup d) (d & 15) q - (sup dmin) (d >> 4), d (rows, 2 groups) a byte for each 16 values, sup
+    (rows, groups / 8, 2)."""
+    for r in range(r0, r1):
+        out[r - r0] = _Q2K(lo, lo, d, sup, xq, dx, halves, r, dx.shape[0])
+
+
+@njit(**_JIT)
 def iq4_rows(lo, d, sup, xq, dx, xs, out, r0, r1):
     """value = (sup d) IQ4NL_VALUES[nibble]; d (rows, groups) int8, sup (rows, groups / 8)."""
     for r in range(r0, r1):
@@ -394,7 +411,7 @@ numba.config.THREADING_LAYER = "threadsafe"
 
 # The kernels below take a matrix as its planes (lo, hi, d, m, sup: layout.Planes.arrays()) with its family's code,
 # and an activation as (q, scale, sums, half_sums): one compiled kernel serves every family.
-FAMILY_CODES = {"nibble": 0, "nibble_k": 1, "q8": 2, "q6k": 3, "iq4": 4}
+FAMILY_CODES = {"nibble": 0, "nibble_k": 1, "q8": 2, "q6k": 3, "iq4": 4, "q2k": 5}
 
 
 @njit(**_JIT)
@@ -410,8 +427,10 @@ def family_rows(family, w, x, a, out, r0, r1):
         q8_rows(lo, d, xq, dx, out, r0, r1)
     elif family == 3:
         q6k_rows(lo, hi, d, sup, xq, dx, hs, out, r0, r1)
-    else:
+    elif family == 4:
         iq4_rows(lo, d, sup, xq, dx, xs, out, r0, r1)
+    else:
+        q2k_rows(lo, d, sup, xq, dx, hs, out, r0, r1)
 
 
 # A range (r0, r1, o, a) computes rows [r0, r1) of a matrix with activation row a into out[o : o + r1 - r0]: one

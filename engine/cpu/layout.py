@@ -10,6 +10,9 @@ order for Q4_0), so a kernel widens a group to 32 bytes with one mask and one sh
   scale and min (uint8), `sup` each 256-value super-block's fp16 d and dmin as float32, and value =
   (sup_d * scale) * q - sup_dmin * min, the float32 steps of gguf's dequantizer.
 - "q8" (Q8_0): value = d[b] * q, 32 int8 a group.
+- "q2k" (Q2_K): value = (sup_d * (d[2 b + half] & 15)) * q - sup_dmin * (d[2 b + half] >> 4), q in [0, 3] in
+  the nibbles, d the file's byte of scale and min for each 16 values, `sup` each super-block's d and dmin as float32
+  (rows, groups / 8, 2): 19 bytes a group against the file's 10.5, read by the nibble kernels' steps.
 - "iq4" (IQ4_XS): value = (sup[b // 8] * d[b]) * IQ4NL_VALUES[nibble], d each group's 6-bit scale minus 32 (int8),
   `sup` the super-block's fp16 d as float32; the kernels read IQ4NL_VALUES + 128 (unsigned) and take 128 times the
   group's activation sum off, as the other unsigned families take their offsets.
@@ -33,17 +36,18 @@ from gguf import GGMLQuantizationType as T
 
 from engine.cpu import unpack as unpack_rows
 from engine.quant_fields import bits_little, f16_field, split_bits
-from engine.quants import block_layout, q3_k_fields
+from engine.quants import block_layout, q2_k_fields, q3_k_fields
 from engine.quants_iq import IQ4NL_VALUES, iq4_xs_fields
 
 GROUP = 32
 SUPER = 8  # groups in a K-quant super-block (256 values)
 NIBBLE_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1})
 K_NIBBLE_TYPES = frozenset({T.Q4_K, T.Q5_K})
-PACKED_TYPES = NIBBLE_TYPES | K_NIBBLE_TYPES | {T.Q8_0, T.Q6_K, T.Q3_K, T.IQ4_XS}
+PACKED_TYPES = NIBBLE_TYPES | K_NIBBLE_TYPES | {T.Q8_0, T.Q6_K, T.Q3_K, T.Q2_K, T.IQ4_XS}
 # Bytes a group and bytes a super-block of each packed type.
 _BYTES = {T.Q4_0: (24, 0), T.Q4_1: (24, 0), T.Q5_0: (28, 0), T.Q5_1: (28, 0), T.Q8_0: (36, 0),
-          T.Q4_K: (18, 8), T.Q5_K: (22, 8), T.Q6_K: (26, 4), T.Q3_K: (26, 4), T.IQ4_XS: (17, 4)}
+          T.Q4_K: (18, 8), T.Q5_K: (22, 8), T.Q6_K: (26, 4), T.Q3_K: (26, 4), T.Q2_K: (18, 8),
+          T.IQ4_XS: (17, 4)}
 
 
 @dataclass
@@ -51,16 +55,17 @@ class Planes:
     """One matrix (rows, k) in the kernels' layout; `family` picks the kernel. A plane a family does not use has
     shape (rows, 0)."""
 
-    family: str  # "nibble", "nibble_k", "q8", "iq4" or "q6k"
+    family: str  # "nibble", "nibble_k", "q8", "q6k", "q2k" or "iq4"
     k: int
     lo: np.ndarray  # uint8 (rows, 16 groups); int8 (rows, 32 groups) for "q8"
     hi: np.ndarray  # uint8 (rows, 4 groups) of fifth bits, or (rows, 0); (rows, 8 groups) for "q6k"
     # float32 (rows, groups) for "nibble" and "q8"; uint8 (rows, 2 groups), each group's 6-bit scale then its min,
-    # for "nibble_k"; int8 (rows, groups) for "iq4"; int8 (rows, 2 groups), the scale of each 16 values, for "q6k"
+    # for "nibble_k"; int8 (rows, groups) for "iq4"; int8 (rows, 2 groups), the scale of each 16 values, for "q6k";
+    # uint8 (rows, 2 groups), the scale and min of each 16 values, for "q2k"
     d: np.ndarray
     m: np.ndarray  # float32 (rows, groups) of offsets for "nibble"
-    # float32 of the fp16 super-block scales: (rows, groups / 8, 2), d and dmin, for "nibble_k"; (rows, groups / 8)
-    # for "iq4" and "q6k"
+    # float32 of the fp16 super-block scales: (rows, groups / 8, 2), d and dmin, for "nibble_k" and "q2k";
+    # (rows, groups / 8) for "iq4" and "q6k"
     sup: np.ndarray
 
     @property
@@ -102,6 +107,11 @@ def pack(raw: np.ndarray, qtype: T, rows: int, k: int) -> Planes:
     if qtype == T.Q3_K:
         q, scales, d = q3_k_fields(blocks)
         return _q6k_planes((q + np.int8(32)).view(np.uint8).reshape(-1, GROUP), scales, d, rows, k)
+    if qtype == T.Q2_K:
+        q, scales, d, dmin = q2_k_fields(blocks)
+        return Planes("q2k", k, _nibble_bytes(q.reshape(-1, GROUP)).reshape(rows, -1), np.zeros((rows, 0), np.uint8),
+                      np.ascontiguousarray(scales).reshape(rows, 2 * groups), none,
+                      np.concatenate((d, dmin), axis=1).reshape(rows, groups // SUPER, 2))
     if qtype == T.IQ4_XS:
         index, scales, d = iq4_xs_fields(blocks)
         return Planes("iq4", k, _nibble_bytes(index.reshape(-1, GROUP)).reshape(rows, -1), np.zeros((rows, 0), np.uint8),
@@ -129,6 +139,8 @@ def unpack(planes: Planes, rows: np.ndarray | slice, out: np.ndarray) -> None:
         unpack_rows.nibble_k_rows(planes.lo, planes.hi, planes.d, planes.sup, picked, out)
     elif planes.family == "q8":
         unpack_rows.q8_rows(planes.lo, planes.d, picked, out)
+    elif planes.family == "q2k":
+        unpack_rows.q2k_rows(planes.lo, planes.d, planes.sup, picked, out)
     elif planes.family == "iq4":
         unpack_rows.iq4_rows(planes.lo, planes.d, planes.sup, IQ4NL_VALUES, picked, out)
     else:

@@ -54,6 +54,23 @@ def nibble_k_rows(lo, hi, d, sup, rows, out):
 
 
 @njit(**_EXACT)
+def q2k_rows(lo, d, sup, rows, out):
+    """gguf's Q2_K steps: scale = d * sc and offset = dmin * mn, each one float32 product, then scale * q - offset."""
+    groups = d.shape[1] // 2
+    for i in range(rows.shape[0]):
+        r = rows[i]
+        for b in range(groups):
+            for half in range(2):
+                byte = d[r, 2 * b + half]
+                scale = sup[r, b >> 3, 0] * _F(byte & _U8(15))
+                offset = sup[r, b >> 3, 1] * _F(byte >> _U8(4))
+                for j in range(16):  # byte j holds value j in its low nibble, value j + 16 in its high one
+                    v = lo[r, 16 * b + j]
+                    q = v & _U8(15) if half == 0 else v >> _U8(4)
+                    out[i, b * 32 + 16 * half + j] = scale * _F(q) - offset
+
+
+@njit(**_EXACT)
 def iq4_rows(lo, d, sup, values, rows, out):
     """gguf's IQ4_XS steps: scale = d * (sc - 32), one float32 product, times the level the nibble picks."""
     groups = d.shape[1]
