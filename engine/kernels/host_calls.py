@@ -32,7 +32,7 @@ from engine.kernels import cuda
 # CUDA's primary-context schedule flags (CU_CTX_SCHED_*): how a host thread waits for the GPU.
 SCHEDULE_AUTO, SCHEDULE_BLOCKING = 0, 4
 SPIN_S = 0.02  # seconds our thread spins for calls after the last one
-IDLE_S = 0.001  # how often it looks when idle and not armed
+IDLE_S = 0.01  # how often it looks when idle and not armed (a call nobody armed for waits at most this long)
 _POLLS = 4096  # looks at the flags per spin between checks of the clock (well under a millisecond)
 _X86 = binding.get_process_triple().startswith(("x86_64", "i686", "i386"))
 
