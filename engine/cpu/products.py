@@ -73,23 +73,11 @@ def _split(rows: int, blocks: int) -> np.ndarray:
     return np.stack([edges[:-1], edges[1:], edges[:-1], np.zeros(blocks, np.int64)], axis=1)
 
 
-def expert_products(planes: Planes, act: Activation, experts: np.ndarray, out: np.ndarray, own_rows: bool,
-                    threads_used: int) -> None:
-    """out (len(experts) * f,) = each chosen expert's slab of f rows times x, slot by slot: the stacked weight's rows
-    [e f, (e + 1) f) for e = experts[j] into out[j f : (j + 1) f], with activation row j when `own_rows` (the down
-    projection of each expert's own hidden state), else row 0."""
-    ranges = _slot_ranges(experts, out.shape[0] // len(experts), own_rows, threads_used)
-    w, x, code = planes.arrays(), act.arrays(), _code(planes)
-    if not _parallel_call(dot.row_ranges, code, w, x, out, ranges, threads=threads_used):
-        for r0, r1, o, a in ranges:
-            dot.family_rows(code, w, x, a, out[o : o + r1 - r0], r0, r1)
-
-
 def expert_glu(gate: Planes, up: Planes, act: Activation, experts: np.ndarray, hidden: np.ndarray, gelu: bool,
                threads_used: int) -> None:
     """hidden (len(experts) * f,) = act(gate slab . x) * (up slab . x) for each chosen expert, slot by slot, in one
     pass over the threads (act: silu, or gelu_tanh when `gelu`)."""
-    ranges = _slot_ranges(experts, hidden.shape[0] // len(experts), False, threads_used)
+    ranges = _slot_ranges(experts, hidden.shape[0] // len(experts), threads_used)
     up_out = np.empty_like(hidden)
     args = (_code(gate), gate.arrays(), _code(up), up.arrays(), act.arrays(), hidden, up_out)
     if not _parallel_call(dot.glu_ranges, *args, ranges, gelu, threads=threads_used):
@@ -112,24 +100,23 @@ def _code(planes: Planes) -> int:
     return dot.FAMILY_CODES[planes.family]
 
 
-def _slot_ranges(experts: np.ndarray, f: int, own_rows: bool, threads_used: int) -> np.ndarray:
-    """Each chosen expert's slab of f rows cut so every thread gets equal work."""
+def _slot_ranges(experts: np.ndarray, f: int, threads_used: int) -> np.ndarray:
+    """Each chosen expert's slab of f rows cut so every thread gets equal work, all on activation row 0."""
     slots = len(experts)
-    return _expert_ranges(experts, f, max(1, threads_used // math.gcd(threads_used, slots)), own_rows)
+    return _expert_ranges(experts, f, max(1, threads_used // math.gcd(threads_used, slots)))
 
 
 @numba.njit(nogil=True, cache=True)
-def _expert_ranges(experts, f, pieces, own_rows):
-    """_slot_ranges' ranges, each slot's f rows in `pieces` runs (in numba: the same in NumPy took 39 us, three
-    times a layer, on the 2-core VM)."""
-    out = np.empty((experts.shape[0] * pieces, 4), np.int64)
+def _expert_ranges(experts, f, pieces):
+    """_slot_ranges' ranges, each slot's f rows in `pieces` runs (in numba: the same in NumPy took 39 us a call on
+    the 2-core VM)."""
+    out = np.zeros((experts.shape[0] * pieces, 4), np.int64)
     for j in range(experts.shape[0]):
         for p in range(pieces):
             i, lo, hi = j * pieces + p, p * f // pieces, (p + 1) * f // pieces
             out[i, 0] = experts[j] * f + lo
             out[i, 1] = experts[j] * f + hi
             out[i, 2] = j * f + lo
-            out[i, 3] = j if own_rows else 0
     return out
 
 
