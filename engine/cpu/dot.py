@@ -434,9 +434,9 @@ def family_rows(family, w, x, a, out, r0, r1):
 
 
 # A range (r0, r1, o, a) computes rows [r0, r1) of a matrix with activation row a into out[o : o + r1 - r0]: one
-# range set serves a matrix split over threads and the chosen experts of a mixture (their slabs of rows, each with
-# its own activation for the down projection). Each kernel's step is a function of its own, which a machine without
-# a thread-safe threading layer calls range by range.
+# range set serves a matrix split over threads and the gate/up slabs of a mixture's chosen experts; the down
+# projection's ranges (mix_range) are runs of output rows over every chosen expert. Each kernel's step is a function
+# of its own, which a machine without a thread-safe threading layer calls range by range.
 
 
 @njit(**_JIT)
