@@ -79,7 +79,10 @@ def test_dropped_connection_resumes_without_downloading_again(hub, store, instal
 def test_server_errors_are_retried_with_backoff(hub, store, installers):
     data = os.urandom(MB)
     hub.knobs.fail_next = 2
-    installer = installers(store, catalog(make_model("m", [hf_file(hub, "m.gguf", data)])))
+    # Each wait outlasts wait()'s half-second look at the progress, so a look sees the retry's message (the tests'
+    # fast policy waited 50-100 ms, which a look could miss).
+    slow_enough = RetryPolicy(attempts=3, base_delay_s=1.0, max_delay_s=1.0)
+    installer = installers(store, catalog(make_model("m", [hf_file(hub, "m.gguf", data)])), retry=slow_enough)
     notes: list[str] = []
     installer.start("m")
     progress = installer.wait("m", 60, on_progress=lambda p: notes.append(p.message))
