@@ -429,8 +429,9 @@ class CupyBackend:
                      activation: str) -> None:
         """The experts of a layer kept in RAM, computed by the CPU. One token: the stream copies x and the routing
         to pinned memory, calls the CPU kernels (a host call, engine/kernels/host_calls.py, which a decode step's
-        graph captures) and copies their result back, so the step stays one graph; their activations are int8 per 32 values, as this backend's own
-        kernels round them. A prompt chunk: this thread waits for the routing and computes."""
+        graph captures) and copies their result back, so the step stays one graph; their activations are int8 per
+        32 values, as this backend's own kernels round them. A prompt chunk: this thread waits for the routing and
+        computes."""
         if x.shape[0] > 1:
             self.synchronize()
             xh, idh, wh = (cupy.asnumpy(a, stream=self.stream, blocking=True) for a in (x, ids, weights))

@@ -62,10 +62,8 @@ def _pool(threads: int) -> ThreadPoolExecutor:
 
 def _one_token(x: np.ndarray, gate: CpuWeight, up: CpuWeight, down: CpuWeight, ids: np.ndarray, weights: np.ndarray,
                out: np.ndarray, activation: str, threads: int, bits: int) -> None:
-    if activation not in ("silu", "gelu_tanh"):
-        raise ValueError(f"unknown activation {activation!r}")
     hidden = np.empty(len(ids) * gate.shape[1], np.float32)
-    products.expert_glu(gate.planes, up.planes, products.activation(x, bits), ids, hidden, activation == "gelu_tanh",
+    products.expert_glu(gate.planes, up.planes, products.activation(x, bits), ids, hidden, ops.is_gelu(activation),
                         threads)
     hidden_act = products.activation(hidden.reshape(len(ids), -1), bits)
     products.expert_mix(down.planes, hidden_act, ids, weights, out, threads)

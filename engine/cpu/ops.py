@@ -87,11 +87,16 @@ def rope_attention_one(q, k, v, cos, sin, neox, k_cache, v_cache, position, out,
                     mixed[i] += p * value[i]
 
 
-def apply_glu(gate: np.ndarray, up: np.ndarray, activation: str) -> None:
-    """gate = act(gate) * up in place (contiguous arrays), act "silu" or "gelu_tanh"."""
+def is_gelu(activation: str) -> bool:
+    """glu's `gelu` flag for an activation's name, "silu" or "gelu_tanh"."""
     if activation not in ("silu", "gelu_tanh"):
         raise ValueError(f"unknown activation {activation!r}")
-    glu(gate, up, activation == "gelu_tanh")
+    return activation == "gelu_tanh"
+
+
+def apply_glu(gate: np.ndarray, up: np.ndarray, activation: str) -> None:
+    """gate = act(gate) * up in place (contiguous arrays), act "silu" or "gelu_tanh"."""
+    glu(gate, up, is_gelu(activation))
 
 
 @njit(**{**_JIT, "fastmath": {"contract"}})
