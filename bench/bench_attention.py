@@ -4,8 +4,10 @@ Prints one JSON line per (kernel, depth): a prompt chunk's attention over a cach
 positions, by flash attention (engine/kernels/flash_attention.cu) and by attention.cu's chunk path, in
 microseconds and TFLOP/s (2 products of 2 flops per query, key and head dim), timed with CUDA events over launches
 queued back to back after a warm-up; and one decode step's attention (rotary, cache write and output quantization
-included) by attention_decode and by attention_decode_split at several split counts, in microseconds and the TB/s
-of the keys and values it reads, timed as a replayed graph (graph_us).
+included) by attention_decode, attention_decode_split at several split counts and attention_decode_deep with each
+of its tile shapes (kernel_names.DEEP_TILES and DEEP_SWEEP; its registers and spilled bytes as `regs` and
+`local_bytes`), in microseconds and the TB/s of the keys and values it reads, timed as a replayed graph (graph_us),
+with each kernel's largest output difference to the first kernel's (attention_decode on sm_90) as `max_diff`.
 
 Usage: python bench/bench_attention.py [--heads 32] [--kv-heads 8] [--head-dim 128] [--chunk 512]
        [--depths 0,7680,32256]
@@ -26,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.bench_gpu import gpu_name  # noqa: E402
 from engine.kernels import cuda as K  # noqa: E402
+from engine.kernels import kernel_names as N  # noqa: E402
 
 
 def timed_us(launch, reps: int) -> float:
@@ -101,7 +104,7 @@ def main() -> None:
     out1 = cupy.empty((1, h * hd), cupy.float32)
     q8 = K.Q8.empty(h * hd)
     done = K.counters(kv)
-    decode = {}
+    decode, extra = {}, {}
     if K.cluster_decode_attention():
         decode["attention_decode"] = functools.partial(K.attention_decode, q1, k1, v1, cos, sin, True, kc, vc, start,
                                                        out1, scale, 0, q8)
@@ -109,13 +112,29 @@ def main() -> None:
         part_s = cupy.empty(h * splits * (hd + 2), cupy.float32)
         decode[f"attention_decode_split/{splits}"] = functools.partial(
             K.attention_decode_split, q1, k1, v1, cos, sin, True, kc, vc, start, out1, scale, 0, part_s, done, q8, splits)
-    for depth in sorted(set(depths + [511, 2047, 4095, 6143, 8191, max_tokens - 1])):
+    if K.mma_capable():
+        for tiles in (N.DEEP_TILES[hd], *N.DEEP_SWEEP.get(hd, ())):
+            splits = K.deep_decode_splits(max_tokens, kv, hd, tiles)
+            part_d = cupy.empty(h * splits * (hd + 2), cupy.float32)
+            decode[f"attention_decode_deep/kt{tiles[0]}_s{tiles[1]}/{splits}"] = functools.partial(
+                K.attention_decode_deep, q1, k1, v1, cos, sin, True, kc, vc, start, out1, scale, 0, part_d, done, q8,
+                splits, tiles)
+            fn = K.kernel("attention", N.deep_decode(hd, tiles))
+            extra[next(reversed(decode))] = {"regs": fn.attributes["num_regs"],
+                                             "local_bytes": fn.attributes["local_size_bytes"]}
+    for depth in sorted(d for d in set(depths + [511, 1023, 2047, 4095, 6143, 8191, max_tokens - 1]) if d < max_tokens):
         start.fill(depth)
         kv_bytes = 2 * kv * (depth + 1) * hd * 2
+        reference = None
         for name, launch in decode.items():
+            launch()
+            got = out1.get()
+            reference = got if reference is None else reference
+            diff = {"max_diff": float(np.abs(got - reference).max())}
             us = graph_us(launch, args.reps * 5)
             print(json.dumps({**shape, "kernel": name, "depth": depth, "us": round(us, 2),
-                              "kv_tb_per_s": round(kv_bytes / us / 1e6, 3)}), flush=True)
+                              "kv_tb_per_s": round(kv_bytes / us / 1e6, 3), **diff, **extra.get(name, {})}),
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ those experts a token reads, this machine's host read bandwidth (measured here) 
 reached, and the GPU memory in use (total minus free, as NVML counts it) and the process's resident RAM.
 
 Usage: python bench/bench_gpu.py MODEL.gguf [MODEL.gguf ...] [--prompt 512] [--output 128] [--device cuda]
-       [--repeats 5] [--attention flash|chunk] [--decode-attention auto|cluster|split] [--experts-in-ram N]
+       [--repeats 5] [--attention flash|chunk] [--decode-attention auto|cluster|split|deep] [--experts-in-ram N]
 """
 
 from __future__ import annotations
@@ -290,7 +290,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="timed prompt + output runs; the best is reported")
     parser.add_argument("--attention", choices=("flash", "chunk"), default="flash",
                         help="prompt-chunk attention on a GPU: flash attention, or attention.cu's older chunk path")
-    parser.add_argument("--decode-attention", choices=("auto", "cluster", "split"), default="auto",
+    parser.add_argument("--decode-attention", choices=("auto", "cluster", "split", "deep"), default="auto",
                         help="decode attention's kernel on a GPU (cuda.decode_attention_form picks by default)")
     parser.add_argument("--experts-in-ram", type=int, default=0,
                         help="MoE layers whose routed experts stay in RAM, computed by the CPU (the first N)")

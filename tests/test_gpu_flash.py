@@ -110,15 +110,15 @@ def test_long_prompt_logits_match_the_older_chunk_path(tmp_path, monkeypatch):
 @pytest.mark.skipif(not K.cluster_decode_attention(), reason="the deep decode graph is sm_90's")
 def test_deep_decode_attention_splits_the_keys_and_matches_the_cluster_kernel(tmp_path, monkeypatch):
     """Decode steps from K.DEEP_DECODE_KEYS on replay a graph of their own whose attention is
-    attention_decode_split; their logits equal the cluster kernel's (every step on the shallow graph) within fp16
+    attention_decode_deep; their logits equal the cluster kernel's (every step on the shallow graph) within fp16
     rounding, on the step that captures the deep graph and on a replay of it."""
     path = tmp_path / "tiny.gguf"
     shape = dict(hidden=256, layers=2, ffn=768, heads=4, kv_heads=2, vocab=1000, tied=False)
     write_model(path, shape, T.Q8_0, "tiny", seed=int(np.random.default_rng().integers(1 << 30)))
     ids = np.random.default_rng().integers(2, 1000, K.DEEP_DECODE_KEYS + 6).tolist()
     split_launches = []
-    split = K.attention_decode_split
-    monkeypatch.setattr(K, "attention_decode_split", lambda *a, **kw: (split_launches.append(1), split(*a, **kw)))
+    split = K.attention_decode_deep
+    monkeypatch.setattr(K, "attention_decode_deep", lambda *a, **kw: (split_launches.append(1), split(*a, **kw)))
 
     def decode_logits() -> list[np.ndarray]:
         model = load_model(path, device="cuda", context_length=K.DEEP_DECODE_KEYS + 64)

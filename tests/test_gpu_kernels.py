@@ -11,6 +11,7 @@ from gguf import GGMLQuantizationType as T
 
 from engine import quants
 from engine.backend import SamplingParams
+from engine.kernels import kernel_names as N
 from engine.kernels import reference, sources
 from engine.kernels.gpu_layout import FLOAT_TYPES, PLANES, random_blocks
 
@@ -358,9 +359,44 @@ def test_attention_decode_split(start, window, hd, neox, rot, heads, kv):
     check_decode(launch, start, window, hd, neox, rot, heads, kv)
 
 
-def check_decode(launch, start, window, hd, neox, rot, heads, kv):
+@pytest.mark.skipif(not K.mma_capable(), reason="attention_decode_deep needs sm_80 or newer")
+@pytest.mark.parametrize("splits", [8, None])
+@pytest.mark.parametrize("heads,kv", [(8, 2), (16, 2), (6, 2), (4, 4), (10, 2), (32, 2)])
+@pytest.mark.parametrize("start,window,hd,neox,rot", DECODE_CASES)
+def test_attention_decode_deep(start, window, hd, neox, rot, heads, kv, splits):
+    """The same work on tensor cores, each warp's key tiles streamed through shared memory: GQA groups 1-16, 8
+    splits (some exiting at once, one holding only the step's own token at start 0) or as many as the GPU holds."""
+    done = K.counters(kv)
+
+    def launch(*args, q8=None):
+        n = splits or K.deep_decode_splits(2048, kv, hd)
+        part = cp.empty(heads * n * (hd + 2), cp.float32)
+        K.attention_decode_deep(*args, part, done, q8, splits=n)
+        assert not done.get().any(), "the merging blocks leave their counters at zero"
+
+    # q and the probabilities enter the tensor cores as fp16.
+    check_decode(launch, start, window, hd, neox, rot, heads, kv, tol=2e-3)
+
+
+@pytest.mark.skipif(not K.mma_capable(), reason="attention_decode_deep needs sm_80 or newer")
+@pytest.mark.parametrize("tiles", [None, *N.DEEP_SWEEP[128]])
+@pytest.mark.parametrize("heads,kv", [(32, 8), (32, 4), (64, 4)])
+def test_attention_decode_deep_tile_shapes(tiles, heads, kv):
+    """Every tile shape bench/bench_attention.py times, at today's models' GQA shapes (Qwen3-8B, Qwen3-30B-A3B)."""
+    done = K.counters(kv)
+
+    def launch(*args, q8=None):
+        n = K.deep_decode_splits(2048, kv, 128, tiles)
+        part = cp.empty(heads * n * (128 + 2), cp.float32)
+        K.attention_decode_deep(*args, part, done, q8, splits=n, tiles=tiles)
+
+    check_decode(launch, 1900, 0, 128, True, 128, heads, kv, tol=2e-3)
+
+
+def check_decode(launch, start, window, hd, neox, rot, heads, kv, tol=1e-5):
     """launch(q, k, v, cos, sin, neox, k_cache, v_cache, start, out, scale, window, q8=None) against the
-    reference's rope_store_kv then attention (keys and values rounded to the cache's fp16 as the kernel uses them)."""
+    reference's rope_store_kv then attention (keys and values rounded to the cache's fp16 as the kernel uses them),
+    within relative error tol."""
     rng = np.random.default_rng()
     max_tokens = 2048
     qkv = rng.standard_normal((1, (heads + 2 * kv) * hd + 16)).astype(np.float32)
@@ -386,7 +422,7 @@ def check_decode(launch, start, window, hd, neox, rot, heads, kv):
             cp.asarray([start], cp.int32))
     out = poisoned((1, heads * hd))
     launch(*args, out, scale, window)
-    assert rel(out.get(), expect) < 1e-5
+    assert rel(out.get(), expect) < tol
     assert rel(kc_dev.get()[:, start], kc_ref[:, start]) < 1e-3
     assert np.array_equal(vc_dev.get()[:, start], vc_ref[:, start].astype(np.float16))
     others = np.arange(max_tokens) != start
@@ -395,7 +431,7 @@ def check_decode(launch, start, window, hd, neox, rot, heads, kv):
     q8 = K.Q8.empty(heads * hd)
     out[...] = np.nan
     launch(*args, out, scale, window, q8=q8)  # again (as a graph replays): the same result
-    assert rel(out.get(), expect) < 1e-5
+    assert rel(out.get(), expect) < tol
     assert_q8_of(q8, out.get())
 
 

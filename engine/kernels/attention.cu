@@ -6,9 +6,10 @@
 // blocks as one cluster (attention_decode, sm_90+) or by the head's last block to finish (older GPUs), either of
 // which also quantizes the output for the output projection; for a prompt chunk by attention_combine.
 // attention_decode also does rope_store_kv's work for its token (rotating q and k, storing k and v), which saves
-// that launch. Before sm_90, a decode step over a cache of SPLIT_CONTEXT positions or more is split by KV head
-// instead (attention_decode_split, below: each block serves a KV head's whole query group, so the keys are read
-// once). Prompt chunks on sm_80+ go to flash_attention.cu instead of attention_partial.
+// that launch. Deep decode steps (on sm_90 from cuda.DEEP_DECODE_KEYS on, before it for caches of SPLIT_CONTEXT
+// positions or more) are split by KV head instead, each block serving a KV head's whole query group so the keys are
+// read once: attention_decode_deep on tensor cores (sm_80+), attention_decode_split before sm_80. Prompt chunks on
+// sm_80+ go to flash_attention.cu instead of attention_partial.
 //
 // Key ranges come from start[0] in device memory, so one captured graph serves every position; splits past
 // the range are empty and leave max = -inf, sum = 0.
@@ -57,6 +58,91 @@ __device__ __forceinline__ void combine_splits(const float* p, int n_splits, int
         const float o = merge_splits(sm, sl, n_splits, [&](int s) { return __ldcg(p + s * (hd + 2) + d); });
         out[d] = o;
         if (xq != nullptr) quantize_group(o, first_group + d / 32, xq, xq2, xds);
+    }
+}
+
+// One block's partial result for each query head h < group of its KV head, from its 4 warps' (acc, max, sum) in
+// shared memory (acc[(w rows + h) hd + d], m[w rows + h], l likewise) and, where own_s is not null, the step's own
+// token (score own_s[h], value own_v): hd + 2 floats at part + h n_splits (hd + 2), the block's split's place.
+__device__ __forceinline__ void store_block_partial(const float* acc, const float* m, const float* l, int rows,
+                                                    const float* own_s, const float* own_v, int group, int hd,
+                                                    float* part, int n_splits) {
+    for (int i = threadIdx.x; i < group * (hd + 2); i += blockDim.x) {
+        const int h = i / (hd + 2), d = i % (hd + 2);
+        float top = own_s != nullptr ? own_s[h] : NEG_INF;
+#pragma unroll
+        for (int w = 0; w < 4; ++w) top = fmaxf(top, m[w * rows + h]);
+        float v = d == hd ? top : 0.0f;
+        if (d != hd) {
+#pragma unroll
+            for (int w = 0; w < 4; ++w) v += (d < hd ? acc[(w * rows + h) * hd + d] : l[w * rows + h]) * exp2f(m[w * rows + h] - top);
+            if (own_s != nullptr) v += (d < hd ? own_v[d] : 1.0f) * exp2f(own_s[h] - top);
+        }
+        part[(long)h * n_splits * (hd + 2) + d] = v;
+    }
+}
+
+// After every block of a KV head wrote its partial results (part: per query head of the group, n_splits of
+// hd + 2 floats, the first `active` of them written): the head's last block to finish (counted in done[kvh], left at
+// zero for the next launch) merges them and quantizes the output. All heads of the group at once: each warp takes a
+// head's maxima and sums (a lane per split) and leaves each split's weight, exp2(m_s - top) / sum, in shared
+// memory; then every thread sums its outputs' values over the splits, MERGE_OUTPUTS outputs at a time so their
+// loads are in flight together (a head after another, as before, took a round trip to L2 per head and split run:
+// 11 us for a 4-head group at 511 keys against the cluster kernel's 7.3).
+#define MERGE_OUTPUTS 8
+__device__ __forceinline__ void merge_group_splits(const float* part, u32* done, int kvh, int group, int n_splits,
+                                                   int active, int hd, float* out, signed char* xq, signed char* xq2,
+                                                   float2* xds) {
+    __shared__ bool last;
+    __shared__ float weight[16][MAX_SPLITS];
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        last = atomicAdd(done + kvh, 1u) == active - 1;
+        if (last) done[kvh] = 0;
+    }
+    __syncthreads();
+    if (!last) return;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, row = hd + 2;
+    const float* base = part + (long)kvh * group * n_splits * row;
+    for (int h = warp; h < group; h += blockDim.x >> 5) {
+        float m[MAX_SPLITS / 32], l[MAX_SPLITS / 32];
+#pragma unroll
+        for (int j = 0; j < MAX_SPLITS / 32; ++j) {
+            const int sp = lane + 32 * j;
+            m[j] = sp < active ? __ldcg(base + ((long)h * n_splits + sp) * row + hd) : NEG_INF;
+            l[j] = sp < active ? __ldcg(base + ((long)h * n_splits + sp) * row + hd + 1) : 0.0f;
+        }
+        float top = NEG_INF, den = 0.0f;
+#pragma unroll
+        for (int j = 0; j < MAX_SPLITS / 32; ++j) top = fmaxf(top, m[j]);
+        top = warp_max(top);
+#pragma unroll
+        for (int j = 0; j < MAX_SPLITS / 32; ++j) den += l[j] * exp2f(m[j] - top);
+        den = warp_sum(den);
+#pragma unroll
+        for (int j = 0; j < MAX_SPLITS / 32; ++j) weight[h][lane + 32 * j] = exp2f(m[j] - top) / den;
+    }
+    __syncthreads();
+    // Outputs i = i0 + r blockDim.x: a warp's 32 lanes hold 32 consecutive dims of one head (hd a multiple of 32),
+    // the group quantize_group takes.
+    for (int i0 = threadIdx.x; i0 < group * hd; i0 += MERGE_OUTPUTS * blockDim.x) {
+        float acc[MERGE_OUTPUTS] = {};
+#pragma unroll 2
+        for (int sp = 0; sp < active; ++sp)
+#pragma unroll
+            for (int r = 0; r < MERGE_OUTPUTS; ++r) {
+                const int i = i0 + r * blockDim.x, h = i / hd;
+                if (i < group * hd) acc[r] += __ldcg(base + ((long)h * n_splits + sp) * row + i % hd) * weight[h][sp];
+            }
+#pragma unroll
+        for (int r = 0; r < MERGE_OUTPUTS; ++r) {
+            const int i = i0 + r * blockDim.x;
+            if (i >= group * hd) break;  // the same for the 32 lanes of a warp
+            const long o = (long)kvh * group * hd + i;
+            out[o] = acc[r];
+            if (xq != nullptr) quantize_group(acc[r], o / 32, xq, xq2, xds);
+        }
     }
 }
 
@@ -194,6 +280,19 @@ struct NewKV {
             reinterpret_cast<u32*>(nt.k_store)[32 * c + (threadIdx.x & 31)] = k[c];
             reinterpret_cast<u32*>(nt.v_store)[32 * c + (threadIdx.x & 31)] = v[c];
         }
+    }
+
+    // The split kernels' own token: KV head kvh's key (rotated) and value of the step at pos, stored in the cache.
+    __device__ static NewKV store_own(const float* k_new, const float* v_new, int kvh, int pos, const float* cos_p,
+                                      const float* sin_p, int rot, int neox, u16* k_cache, u16* v_cache,
+                                      int max_tokens) {
+        const long row = ((long)kvh * max_tokens + pos) * HD;
+        const NewToken nt = {k_new + (long)kvh * HD, v_new + (long)kvh * HD, cos_p, sin_p, rot, neox,
+                             k_cache + row, v_cache + row};
+        NewKV nkv;
+        nkv.load(nt);
+        nkv.store(nt);
+        return nkv;
     }
 
     // Fold the token into a warp's online softmax (see warp_attend).
@@ -347,7 +446,6 @@ __device__ __forceinline__ void attention_decode_split_impl(
     signed char* xq, signed char* xq2, float2* xds) {
     constexpr int WPL = HD / 64, VT = 8;
     __shared__ float qs[G][HD], wacc[4][G][HD], wm[4][G], wl[4][G];
-    __shared__ bool last;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int group = n_heads / n_kv;
     const int pos = start[0];
@@ -424,12 +522,8 @@ __device__ __forceinline__ void attention_decode_split_impl(
         }
     }
     if (warp == 0 && hi == pos + 1) {  // the split holding the step's own token
-        const long row = ((long)kvh * max_tokens + pos) * HD;
-        const NewToken nt = {k_new + (long)kvh * HD, v_new + (long)kvh * HD, cos_p, sin_p, rot, neox,
-                             k_cache + row, v_cache + row};
-        NewKV<HD> nkv;
-        nkv.load(nt);
-        nkv.store(nt);
+        const NewKV<HD> nkv = NewKV<HD>::store_own(k_new, v_new, kvh, pos, cos_p, sin_p, rot, neox, k_cache, v_cache,
+                                                  max_tokens);
 #pragma unroll
         for (int h = 0; h < G; ++h)
             if (h < group) nkv.attend(qs[h], acc[h], m[h], l[h]);
@@ -449,29 +543,9 @@ __device__ __forceinline__ void attention_decode_split_impl(
         }
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < group * (HD + 2); i += blockDim.x) {
-        const int h = i / (HD + 2), d = i % (HD + 2);
-        const float top = fmaxf(fmaxf(wm[0][h], wm[1][h]), fmaxf(wm[2][h], wm[3][h]));
-        float v = d == HD ? top : 0.0f;
-        if (d != HD)
-#pragma unroll
-            for (int w = 0; w < 4; ++w) v += (d < HD ? wacc[w][h][d] : wl[w][h]) * exp2f(wm[w][h] - top);
-        part[((long)(kvh * group + h) * n_splits + split) * (HD + 2) + d] = v;
-    }
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        last = atomicAdd(done + kvh, 1u) == active - 1;
-        if (last) done[kvh] = 0;
-    }
-    __syncthreads();
-    if (!last) return;
-    for (int h = 0; h < group; ++h) {
-        const int head = kvh * group + h;
-        if (h > 0) __syncthreads();  // combine_splits' shared maxima and sums are read before they are rewritten
-        combine_splits(part + (long)head * n_splits * (HD + 2), active, HD, out + (long)head * HD, xq, xq2, xds,
-                       (long)head * HD / 32);
-    }
+    store_block_partial(&wacc[0][0][0], &wm[0][0], &wl[0][0], G, nullptr, nullptr, group, HD,
+                        part + ((long)kvh * group * n_splits + split) * (HD + 2), n_splits);
+    merge_group_splits(part, done, kvh, group, n_splits, active, HD, out, xq, xq2, xds);
 }
 
 #define ATTENTION_DECODE_SPLIT(HD, G)                                                                           \
@@ -490,6 +564,181 @@ ATTENTION_DECODE_SPLIT(128, 4)
 ATTENTION_DECODE_SPLIT(128, 8)
 ATTENTION_DECODE_SPLIT(256, 4)
 ATTENTION_DECODE_SPLIT(256, 8)
+
+// Decode at depth on tensor cores (sm_80+): blocks of a KV head and a split of its keys as in
+// attention_decode_split (GQA groups of up to 16 query heads), but each warp streams its own key tiles of KT keys
+// (tiles w, w + 4, ... of the split) through STAGES buffers of shared memory by cp.async, so STAGES - 1 tiles of
+// keys and values are in flight while it computes one: the group's queries are the 16 rows of an mma A fragment
+// (fp16, rows past the group zero), scores and P.V run on mma.sync as in flash_attention.cu, with an online softmax
+// per warp. The first tiles load before grid_dependency_sync (the cached rows are final before the kernel before
+// this one runs). At the end the warps' results and the step's own token (rotated, stored and attended here) are
+// merged into one partial result per query head, and the KV head's last block merges the splits.
+constexpr int DEEP_WARPS = 4;
+
+// Keys (or values) j0 .. j0 + KT - 1 into a warp's shared tile of rows padded to D + 8 halves (ldmatrix's eight
+// row addresses then fall in distinct banks); rows from `end` on are zeros, so a masked key's value adds nothing.
+template <int D, int KT>
+__device__ __forceinline__ void warp_load_rows(u16* tile, const u16* __restrict__ base, int j0, int end) {
+    constexpr int PER_ROW = D / 8;
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int i = 0; i < KT * PER_ROW / 32; ++i) {
+        const int c = 32 * i + lane, row = c / PER_ROW, col = 8 * (c % PER_ROW);
+        const bool in = j0 + row < end;
+        copy16(tile + row * (D + 8) + col, base + (long)(in ? j0 + row : 0) * D + col, in);
+    }
+}
+
+template <int D, int KT, int STAGES>
+__device__ __forceinline__ void attention_decode_deep_impl(
+    const float* __restrict__ q, const float* k_new, const float* v_new, const float* cos_t, const float* sin_t,
+    int rot, int neox, u16* k_cache, u16* v_cache, int max_tokens, int n_heads, int n_kv, const int* start,
+    int window, float scale_log2, int kvh, int split, int n_splits, float* part, u32* done, float* out,
+    signed char* xq, signed char* xq2, float2* xds) {
+    constexpr int ROW = D + 8, TILE = KT * ROW, DK = D / 16, DN = D / 8, KN = KT / 8, UNIT = DEEP_WARPS * KT;
+    static_assert(DEEP_WARPS == 4, "store_block_partial merges 4 warps");
+    static_assert(DEEP_WARPS * STAGES * 2 * TILE * 2 >= DEEP_WARPS * 16 * D * 4, "the merge reuses the tiles");
+    extern __shared__ __align__(16) u16 tiles[];  // warp w: STAGES x (keys, values) from tiles + w STAGES 2 TILE
+    __shared__ __align__(16) float qs[16][D];
+    __shared__ float wm[DEEP_WARPS][16], wl[DEEP_WARPS][16], own_s[16], own_v[D];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int group = n_heads / n_kv, pos = start[0];
+    const int first = window > 0 ? max(0, pos - window + 1) : 0;
+    const int len = pos + 1 - first;
+    const int per = max(UNIT, (len + UNIT * n_splits - 1) / (UNIT * n_splits) * UNIT);
+    const int active = (len + per - 1) / per;
+    if (split >= active) return;
+    const int lo = first + split * per, hi = min(lo + per, pos + 1), cached_hi = min(hi, pos);
+    const u16* kbase = k_cache + (long)kvh * max_tokens * D;
+    const u16* vbase = v_cache + (long)kvh * max_tokens * D;
+    u16* mine = tiles + warp * STAGES * 2 * TILE;
+    // The warp's tile i: keys lo + (warp + DEEP_WARPS i) KT .., in buffer i % STAGES. Every call commits a group
+    // (empty past the range), so waiting for all but the newest STAGES - 1 groups always means tile i landed.
+    auto fetch = [&](int i) {
+        const int j0 = lo + (warp + DEEP_WARPS * i) * KT;
+        if (j0 < cached_hi) {
+            u16* buf = mine + (i % STAGES) * 2 * TILE;
+            warp_load_rows<D, KT>(buf, kbase, j0, cached_hi);
+            warp_load_rows<D, KT>(buf + TILE, vbase, j0, cached_hi);
+        }
+        copies_commit();
+    };
+#pragma unroll
+    for (int i = 0; i < STAGES - 1; ++i) fetch(i);
+    grid_dependency_sync();
+
+    const float* cos_p = cos_t + (long)pos * (rot / 2);
+    const float* sin_p = sin_t + (long)pos * (rot / 2);
+    for (int i = threadIdx.x; i < 16 * D; i += blockDim.x) {
+        const int h = i / D, d = i % D;
+        qs[h][d] = h < group ? rotated(q + (long)(kvh * group + h) * D, d, rot, neox, cos_p, sin_p) * scale_log2 : 0.0f;
+    }
+    __syncthreads();
+    u32 qa[DK][4];  // A fragments: a0 / a1 rows g / g + 8 at dims 16 kk + 2 t, a2 / a3 the same 8 dims on
+#pragma unroll
+    for (int kk = 0; kk < DK; ++kk)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const float* r = &qs[g + 8 * h][16 * kk + 2 * t];
+            qa[kk][h] = half2_bits(r[0], r[1]);
+            qa[kk][2 + h] = half2_bits(r[8], r[9]);
+        }
+
+    float o[DN][4] = {};
+    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
+    const int n_tiles = (cached_hi - lo + KT - 1) / KT;
+    for (int i = 0; warp + DEEP_WARPS * i < n_tiles; ++i) {
+        fetch(i + STAGES - 1);
+        copies_wait<STAGES - 1>();
+        __syncwarp();  // every lane's copies of tile i are visible to the warp
+        const u16* ks = mine + (i % STAGES) * 2 * TILE;
+        const u16* vs = ks + TILE;
+        const int j0 = lo + (warp + DEEP_WARPS * i) * KT;
+        float s[KN][4];
+        tile_scores<D, KT>(qa, ks, ROW, s);
+        // s[nb][2 h + e]: row g + 8 h, key j0 + 8 nb + 2 t + e; every tile holds a key below cached_hi.
+        if (j0 + KT > cached_hi)
+#pragma unroll
+            for (int nb = 0; nb < KN; ++nb)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    if (j0 + 8 * nb + 2 * t + (e & 1) >= cached_hi) s[nb][e] = NEG_INF;
+        u32 pa[KT / 16][4];
+        tile_softmax<D, KT>(s, m, l, o, pa);
+        tile_values<D, KT>(pa, vs, ROW, o);
+        __syncwarp();  // every lane is done with buffer i % STAGES before the next fetch refills it
+    }
+    copies_wait<0>();  // the empty groups of fetches past the range
+
+    // The warps' results through shared memory (the tiles' space): o[db][2 h + e] is row g + 8 h, dim 8 db + 2 t + e;
+    // a row's sum is spread over the 4 lanes of its quad.
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        l[h] += __shfl_xor_sync(0xFFFFFFFFu, l[h], 1);
+        l[h] += __shfl_xor_sync(0xFFFFFFFFu, l[h], 2);
+    }
+    __syncthreads();
+    float* wacc = reinterpret_cast<float*>(tiles);  // [DEEP_WARPS][16][D]
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int r = g + 8 * h;
+        if (r >= group) continue;
+#pragma unroll
+        for (int db = 0; db < DN; ++db)
+            *reinterpret_cast<float2*>(&wacc[(warp * 16 + r) * D + 8 * db + 2 * t]) = make_float2(o[db][2 * h], o[db][2 * h + 1]);
+        if (t == 0) {
+            wm[warp][r] = m[h];
+            wl[warp][r] = l[h];
+        }
+    }
+    const bool own = hi == pos + 1;  // the split holding the step's own token
+    if (own && warp == 0) {
+        const NewKV<D> nkv = NewKV<D>::store_own(k_new, v_new, kvh, pos, cos_p, sin_p, rot, neox, k_cache, v_cache,
+                                                max_tokens);
+        for (int h = 0; h < group; ++h) {
+            float dot = 0.0f;
+#pragma unroll
+            for (int c = 0; c < D / 64; ++c) {
+                const int d = 64 * c + 2 * lane;
+                dot = fmaf(qs[h][d + 1], h2f_hi(nkv.k[c]), fmaf(qs[h][d], h2f_lo(nkv.k[c]), dot));
+            }
+            dot = warp_sum(dot);
+            if (lane == 0) own_s[h] = dot;
+        }
+#pragma unroll
+        for (int c = 0; c < D / 64; ++c) {
+            own_v[64 * c + 2 * lane] = h2f_lo(nkv.v[c]);
+            own_v[64 * c + 2 * lane + 1] = h2f_hi(nkv.v[c]);
+        }
+    }
+    __syncthreads();
+    store_block_partial(wacc, &wm[0][0], &wl[0][0], 16, own ? own_s : nullptr, own_v, group, D,
+                        part + ((long)kvh * group * n_splits + split) * (D + 2), n_splits);
+    merge_group_splits(part, done, kvh, group, n_splits, active, D, out, xq, xq2, xds);
+}
+
+// NAME: kernel_names.deep_decode's; the shared memory the launch asks for: cuda.deep_decode_shared_bytes.
+#define ATTENTION_DECODE_DEEP(D, KT, STAGES, NAME)                                                              \
+    extern "C" __global__ void __launch_bounds__(32 * DEEP_WARPS) NAME(                                        \
+        const float* q, const float* k_new, const float* v_new, const float* cos_t, const float* sin_t, int rot, \
+        int neox, u16* k_cache, u16* v_cache, int max_tokens, int n_heads, int n_kv, const int* start,         \
+        int window, float scale_log2, float* part, u32* done, float* out, signed char* xq, signed char* xq2,   \
+        float2* xds) {                                                                                         \
+        attention_decode_deep_impl<D, KT, STAGES>(q, k_new, v_new, cos_t, sin_t, rot, neox, k_cache, v_cache,   \
+                                                  max_tokens, n_heads, n_kv, start, window, scale_log2,         \
+                                                  blockIdx.y, blockIdx.x, gridDim.x, part, done, out, xq, xq2,  \
+                                                  xds);                                                         \
+    }
+ATTENTION_DECODE_DEEP(64, 64, 2, attention_decode_deep_64)
+ATTENTION_DECODE_DEEP(128, 32, 2, attention_decode_deep_128)
+ATTENTION_DECODE_DEEP(256, 16, 2, attention_decode_deep_256)
+#ifdef SWEEP_KERNELS
+// Tile sizes and depths of the pipeline only bench/bench_attention.py launches (kernel_names.DEEP_SWEEP).
+ATTENTION_DECODE_DEEP(128, 16, 2, attention_decode_deep_128_kt16_s2)
+ATTENTION_DECODE_DEEP(128, 16, 3, attention_decode_deep_128_kt16_s3)
+ATTENTION_DECODE_DEEP(128, 16, 4, attention_decode_deep_128_kt16_s4)
+ATTENTION_DECODE_DEEP(128, 32, 3, attention_decode_deep_128_kt32_s3)
+#endif
 
 #if __CUDA_ARCH__ >= 900
 // Decode on sm_90 and newer: a head's ATTN_CLUSTER blocks (grid z) form a thread-block cluster, which merges the

@@ -565,10 +565,11 @@ def attention_decode(q, k, v, cos, sin, neox: bool, k_cache, v_cache, start, out
 
 SPLIT_MIN_KEYS, MAX_SPLITS = 128, 64  # attention.cu: fewest keys a decode split takes, most splits a merge reads
 SPLIT_BLOCKS_PER_SM = 2
-SPLIT_CONTEXT = 8192  # before sm_90: caches from this many positions decode with attention_decode_split
-# sm_90: decode steps from this position on take attention_decode_split. The cluster kernel took 14.4 us against
-# 23.2 at 2,047 keys and 49.6 against 37.2 at 7,680 (8B shape, H200): the two meet near 4.4K.
+SPLIT_CONTEXT = 8192  # before sm_90: caches from this many positions decode with a split form
+# sm_90: decode steps from this position on take attention_decode_deep. The cluster kernel took 14.4 us against
+# 23.2 for attention_decode_split at 2,047 keys and 49.6 against 37.2 at 7,680 (8B shape, H200).
 DEEP_DECODE_KEYS = 4096
+DEEP_WARPS = 4  # attention.cu DEEP_WARPS
 
 
 def decode_splits(max_tokens: int, n_kv: int) -> int:
@@ -584,13 +585,15 @@ def deep_decode(position: int) -> bool:
 
 
 def decode_attention_form(n_heads: int, n_kv: int, max_tokens: int, deep: bool) -> str:
-    """Which kernel a decode step's attention runs: "split" (attention_decode_split, GQA groups of at most 8 query
-    heads) for a deep step on sm_90+ (deep_decode) or, before sm_90, for caches of at least SPLIT_CONTEXT
-    positions; else "cluster" (attention_decode, sm_90+) or "partial" (attention's two-kernel form)."""
-    splittable = n_heads // n_kv <= 8
+    """Which kernel a decode step's attention runs: "deep" (attention_decode_deep: tensor cores, GQA groups of at
+    most 16) or "split" (attention_decode_split, without tensor cores, groups of at most 8) for a deep step on
+    sm_90+ (deep_decode) or, before sm_90, for caches of at least SPLIT_CONTEXT positions; else "cluster"
+    (attention_decode, sm_90+) or "partial" (attention's two-kernel form)."""
+    group = n_heads // n_kv
+    split = "deep" if mma_capable() and group <= 16 else "split" if group <= 8 else None
     if cluster_decode_attention():
-        return "split" if deep and splittable else "cluster"
-    return "split" if splittable and max_tokens >= SPLIT_CONTEXT else "partial"
+        return split if deep and split else "cluster"
+    return split if split and max_tokens >= SPLIT_CONTEXT else "partial"
 
 
 def attention_decode_split(q, k, v, cos, sin, neox: bool, k_cache, v_cache, start, out, scale: float, window: int,
@@ -605,6 +608,48 @@ def attention_decode_split(q, k, v, cos, sin, neox: bool, k_cache, v_cache, star
     launch("attention", N.per_group("attention_decode_split", hd, g), (splits, n_kv), (128,),
            (q, k, v, cos, sin, i32(2 * cos.shape[1]), i32(1 if neox else 0), k_cache, v_cache, i32(max_tokens),
             i32(n_heads), i32(n_kv), start, i32(window), f32(scale * LOG2_E), part, done, out, *q8_args(q8)))
+
+
+def _deep_kernel(hd: int, tiles: tuple[int, int]) -> tuple[str, int, int]:
+    """(name, dynamic shared bytes, blocks a multiprocessor holds) of attention_decode_deep with these tiles; the
+    kernel is allowed its shared memory (above the default 48 KB) the first time."""
+    name = N.deep_decode(hd, tiles)
+    kt, stages = tiles
+    shared = DEEP_WARPS * stages * 2 * kt * (hd + 8) * 2  # each warp's buffers of keys and values, padded rows
+    fn = kernel("attention", name)
+    if fn.max_dynamic_shared_size_bytes < shared:
+        fn.max_dynamic_shared_size_bytes = shared
+    per_sm = cupy.cuda.Device().attributes["MaxSharedMemoryPerMultiprocessor"]
+    per_block = shared + fn.attributes["shared_size_bytes"] + 1024  # the 1 KB the GPU reserves a block
+    return name, shared, max(1, per_sm // per_block)
+
+
+def deep_decode_splits(max_tokens: int, n_kv: int, hd: int, tiles: tuple[int, int] | None = None) -> int:
+    """Splits of each KV head's keys for attention_decode_deep: at most one wave of the blocks the GPU holds at
+    once (a block past it doubled the time: 65.8 us against 48.1 at 32K keys, 8B shape, H200) at the deepest
+    position the cache holds, each split at least a tile per warp (fewer are active at shallower positions)."""
+    tiles = tiles or N.DEEP_TILES[hd]
+    _, _, resident = _deep_kernel(hd, tiles)
+    sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+    return max(1, min(MAX_SPLITS, _blocks(max_tokens, DEEP_WARPS * tiles[0]), resident * sms // n_kv))
+
+
+def attention_decode_deep(q, k, v, cos, sin, neox: bool, k_cache, v_cache, start, out, scale: float, window: int,
+                          part, done, q8: Q8 | None = None, splits: int | None = None,
+                          tiles: tuple[int, int] | None = None) -> None:
+    """attention_decode_split's work on tensor cores with each warp's keys and values streamed through shared
+    memory (sm_80+, GQA groups of at most 16): part, float32 scratch of H*splits*(hd+2); done = counters(KV).
+    splits: deep_decode_splits by default; tiles: (keys a warp's tile, stages), kernel_names.DEEP_TILES' by
+    default (others for bench sweeps)."""
+    _, n_heads, hd = q.shape
+    n_kv, max_tokens = k_cache.shape[0], k_cache.shape[1]
+    tiles = tiles or N.DEEP_TILES[hd]
+    name, shared, _ = _deep_kernel(hd, tiles)
+    splits = splits or deep_decode_splits(max_tokens, n_kv, hd, tiles)
+    launch("attention", name, (splits, n_kv), (32 * DEEP_WARPS,),
+           (q, k, v, cos, sin, i32(2 * cos.shape[1]), i32(1 if neox else 0), k_cache, v_cache, i32(max_tokens),
+            i32(n_heads), i32(n_kv), start, i32(window), f32(scale * LOG2_E), part, done, out, *q8_args(q8)),
+           shared_mem=shared)
 
 
 def counters(n: int) -> Any:

@@ -15,53 +15,6 @@
 constexpr int FA_ROWS = 64;  // (token, query head) rows a block; cuda.py FLASH_ROWS
 constexpr int FA_THREADS = 128;
 
-__device__ __forceinline__ void ldsm_x4(u32 (&r)[4], const u16* p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"((u32)__cvta_generic_to_shared(p)));
-}
-
-__device__ __forceinline__ void ldsm_x4_trans(u32 (&r)[4], const u16* p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"((u32)__cvta_generic_to_shared(p)));
-}
-
-// c += a (16 x 16, row) . b (16 x 8, col), fp16 inputs, fp32 accumulation.
-__device__ __forceinline__ void mma_f16(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-#if __CUDA_ARCH__ >= 800
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                 "{%0,%1,%2,%3};"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#else
-    __trap();  // cuda.py sends older GPUs to attention.cu's chunk path
-#endif
-}
-
-__device__ __forceinline__ u32 half2_bits(float a, float b) { return (u32)f2h(a) | ((u32)f2h(b) << 16); }
-
-// 16 bytes from global to shared memory, bypassing L1; zeros where !fill (keys past the block's range).
-__device__ __forceinline__ void copy16(u16* dst, const u16* src, bool fill) {
-#if __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"((u32)__cvta_generic_to_shared(dst)), "l"(src),
-                 "r"(fill ? 16 : 0)
-                 : "memory");
-#else
-    *reinterpret_cast<uint4*>(dst) = fill ? __ldg(reinterpret_cast<const uint4*>(src)) : make_uint4(0, 0, 0, 0);
-#endif
-}
-
-__device__ __forceinline__ void copies_commit() {
-#if __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.commit_group;" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void copies_wait() {
-#if __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.wait_group 0;" ::: "memory");
-#endif
-}
-
 // Keys (or values) j0 .. j0 + KT - 1 of one KV head into a shared tile of rows padded to D + 8 halves (ldmatrix's
 // eight row addresses then fall in distinct banks); rows from `end` on are zeros.
 template <int D, int KT>
@@ -129,16 +82,8 @@ __device__ __forceinline__ void flash_attention_impl(const float* __restrict__ q
         __syncthreads();  // K tile landed; every warp is past its P.V on the previous V tile
         load_tile<D, KT>(vs, vb, j0, end);
 
-        float s[KN][4] = {};
-#pragma unroll
-        for (int kk = 0; kk < DK; ++kk)
-#pragma unroll
-            for (int nb = 0; nb < KN; nb += 2) {
-                u32 b[4];
-                ldsm_x4(b, &ks[8 * nb + (lane & 7) + (lane >> 4) * 8][16 * kk + ((lane >> 3) & 1) * 8]);
-                mma_f16(s[nb], qa[kk], b[0], b[1]);
-                mma_f16(s[nb + 1], qa[kk], b[2], b[3]);
-            }
+        float s[KN][4];
+        tile_scores<D, KT>(qa, &ks[0][0], D + 8, s);
         // s[nb][2 h + e]: row g + 8 h, key j0 + 8 nb + 2 t + e.
         if (j0 + KT - 1 > pos_lo || (window > 0 && j0 <= pos_hi - window)) {
 #pragma unroll
@@ -150,44 +95,11 @@ __device__ __forceinline__ void flash_attention_impl(const float* __restrict__ q
                 }
         }
         u32 pa[KT / 16][4];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            float mx = NEG_INF;
-#pragma unroll
-            for (int nb = 0; nb < KN; ++nb) mx = fmaxf(mx, fmaxf(s[nb][2 * h], s[nb][2 * h + 1]));
-            mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 2));
-            const float m_new = fmaxf(m[h], mx);
-            const float base = m_new == NEG_INF ? 0.0f : m_new;  // a row with every key so far masked
-            const float corr = exp2f(m[h] - base);
-            m[h] = m_new;
-            float sum = 0.0f;
-#pragma unroll
-            for (int nb = 0; nb < KN; ++nb) {
-                const float p0 = exp2f(s[nb][2 * h] - base), p1 = exp2f(s[nb][2 * h + 1] - base);
-                sum += p0 + p1;
-                // As the A fragment of P.V: keys 16 kk .. + 15 are score blocks 2 kk (a0, a1) and 2 kk + 1 (a2, a3).
-                pa[nb / 2][2 * (nb & 1) + h] = half2_bits(p0, p1);
-            }
-            l[h] = l[h] * corr + sum;
-#pragma unroll
-            for (int db = 0; db < DN; ++db) {
-                o[db][2 * h] *= corr;
-                o[db][2 * h + 1] *= corr;
-            }
-        }
+        tile_softmax<D, KT>(s, m, l, o, pa);
         copies_wait();
         __syncthreads();  // V tile landed; every warp is past its scores on this K tile
         if (j0 + KT < end) load_tile<D, KT>(ks, kb, j0 + KT, end);
-#pragma unroll
-        for (int kk = 0; kk < KT / 16; ++kk)
-#pragma unroll
-            for (int db = 0; db < DN; db += 2) {
-                u32 b[4];
-                ldsm_x4_trans(b, &vs[16 * kk + (lane & 7) + ((lane >> 3) & 1) * 8][8 * db + (lane >> 4) * 8]);
-                mma_f16(o[db], pa[kk], b[0], b[1]);
-                mma_f16(o[db + 1], pa[kk], b[2], b[3]);
-            }
+        tile_values<D, KT>(pa, &vs[0][0], D + 8, o);
     }
 
     // o[db][2 h + e]: row g + 8 h, dim 8 db + 2 t + e; the row's sum is spread over the 4 lanes of its quad.

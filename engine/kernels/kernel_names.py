@@ -44,7 +44,11 @@ HEAD_DIMS = (64, 128, 256)  # head sizes the attention kernels are built for
 # are built for).
 # attention.cu builds the cluster form (attention_decode) under __CUDA_ARCH__ >= 900.
 PER_HEAD_DIM = {"attention_partial": ("attention", 75), "attention_decode": ("attention", 90),
-                "flash_attention": ("flash_attention", 75)}
+                "attention_decode_deep": ("attention", 80), "flash_attention": ("flash_attention", 75)}
+# attention_decode_deep's (keys a warp's tile, pipeline stages) per head size, and the others only
+# bench/bench_attention.py launches (attention.cu, #ifdef SWEEP_KERNELS).
+DEEP_TILES = {64: (64, 2), 128: (32, 2), 256: (16, 2)}
+DEEP_SWEEP = {128: ((16, 2), (16, 3), (16, 4), (32, 3))}
 # The gated delta rule (hybrid.cu) is built per key head size, which sets the registers its state takes.
 DELTA_KEY_DIMS = (16, 32, 64, 128)
 # Decode attention built per head size and query slots a block (the GQA group, rounded up to 4 or 8): kind ->
@@ -99,6 +103,16 @@ def per_head_dim(kind: str, head_dim: int) -> str:
     return f"{kind}_{head_dim}"
 
 
+def deep_decode(head_dim: int, tiles: tuple[int, int] | None = None) -> str:
+    """attention_decode_deep's name for this head size with DEEP_TILES' tiles or, for a sweep, other ones."""
+    base = per_head_dim("attention_decode_deep", head_dim)
+    if tiles is None or tiles == DEEP_TILES[head_dim]:
+        return base
+    if tiles not in DEEP_SWEEP.get(head_dim, ()):
+        raise ValueError(f"attention_decode_deep has no kernel for heads of {head_dim} with tiles {tiles}")
+    return f"{base}_kt{tiles[0]}_s{tiles[1]}"
+
+
 def per_group(kind: str, head_dim: int, slots: int) -> str:
     if kind not in PER_GROUP or slots not in PER_GROUP[kind][2].get(head_dim, ()):
         raise ValueError(f"{kind} has no kernel for heads of {head_dim} with {slots} query slots")
@@ -118,6 +132,7 @@ def built(capability: int, sweep: bool = False) -> dict[str, set[str]]:
     streams = {stream(t, form) for t in QUANT_TYPES for form in stream_forms(t)}
     if sweep:
         add("matvec", {stream(t, form) for t in QUANT_TYPES for form in STREAM_FORMS} - streams)
+        add("attention", {deep_decode(hd, tiles) for hd, sweep_tiles in DEEP_SWEEP.items() for tiles in sweep_tiles})
         return names
     add("matvec", streams)
     for kind, (module, types) in PER_TYPE.items():

@@ -16,25 +16,6 @@
 constexpr int MM_TOKENS = 64, MM_ROWS = 64, MM_K = 64;
 constexpr int MM_LD = MM_K + 8;  // padded row (144 bytes): ldmatrix's eight row addresses hit distinct banks
 
-__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], const u16* p) {
-    const u32 a = (u32)__cvta_generic_to_shared(p);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
-}
-
-__device__ __forceinline__ void mma_16816(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-#if __CUDA_ARCH__ >= 800
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                 "{%0,%1,%2,%3};"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#else
-    __trap();  // cuda.py sends older GPUs to the cuBLAS path
-#endif
-}
-
-__device__ __forceinline__ u32 pack_h2(float a, float b) { return (u32)f2h(a) | ((u32)f2h(b) << 16); }
-
 // Tile row j (0..MM_ROWS-1) of block bx: which matrix (0 = W or gate, 1 = up) and which of its rows.
 template <bool GLU>
 __device__ __forceinline__ int tile_row(int bx, int j, int& which) {
@@ -81,7 +62,7 @@ __device__ __forceinline__ void load_tiles(const Planes& p0, const Planes& p1, c
                 const int i = 8 * c + 2 * e;
                 const float lo = sc[i / 16] * (float)(signed char)((q[i / 4] >> (8 * (i % 4))) & 0xFF) + mn;
                 const float hi = sc[i / 16] * (float)(signed char)((q[i / 4] >> (8 * (i % 4 + 1))) & 0xFF) + mn;
-                u[e] = pack_h2(lo, hi);
+                u[e] = half2_bits(lo, hi);
             }
             dst[c] = make_uint4(u[0], u[1], u[2], u[3]);
         }
@@ -96,7 +77,7 @@ __device__ __forceinline__ void load_tiles(const Planes& p0, const Planes& p1, c
         const int kk = kt * MM_K + col;
         float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
         if (tok < tile.count && kk < k) v = __ldg(reinterpret_cast<const float4*>(x + tile.xrow[tok] * ldx + kk));
-        *reinterpret_cast<uint2*>(&xs[tok][col]) = make_uint2(pack_h2(v.x, v.y), pack_h2(v.z, v.w));
+        *reinterpret_cast<uint2*>(&xs[tok][col]) = make_uint2(half2_bits(v.x, v.y), half2_bits(v.z, v.w));
     }
 }
 
@@ -120,14 +101,14 @@ __device__ __forceinline__ void matmul_q(const Planes& p0, const Planes& p1, con
             u32 a[2][4], w[2][4];
 #pragma unroll
             for (int mi = 0; mi < 2; ++mi)
-                ldmatrix_x4(a[mi], &xs[b][wm * 32 + mi * 16 + (lane & 15)][ks * 16 + (lane >> 4) * 8]);
+                ldsm_x4(a[mi], &xs[b][wm * 32 + mi * 16 + (lane & 15)][ks * 16 + (lane >> 4) * 8]);
 #pragma unroll
             for (int nj = 0; nj < 2; ++nj)
-                ldmatrix_x4(w[nj], &ws[b][wn * 32 + nj * 16 + (lane & 7) + (lane >> 4) * 8][ks * 16 + ((lane >> 3) & 1) * 8]);
+                ldsm_x4(w[nj], &ws[b][wn * 32 + nj * 16 + (lane & 7) + (lane >> 4) * 8][ks * 16 + ((lane >> 3) & 1) * 8]);
 #pragma unroll
             for (int mi = 0; mi < 2; ++mi)
 #pragma unroll
-                for (int nb = 0; nb < 4; ++nb) mma_16816(acc[mi][nb], a[mi], w[nb >> 1][2 * (nb & 1)], w[nb >> 1][2 * (nb & 1) + 1]);
+                for (int nb = 0; nb < 4; ++nb) mma_f16(acc[mi][nb], a[mi], w[nb >> 1][2 * (nb & 1)], w[nb >> 1][2 * (nb & 1) + 1]);
         }
     }
     // acc[mi][nb] = {(token r, tile row c), (r, c + 1), (r + 8, c), (r + 8, c + 1)}, r = lane / 4, c = 2 (lane % 4).
