@@ -309,24 +309,8 @@ FOR_EACH_FLOAT(MATVEC_F)
 // Mixture of experts: each token's chosen experts only, read from the stacked ffn_*_exps tensors, where expert
 // e's matrix is rows [e * rows_per_expert, (e + 1) * rows_per_expert) of one (n_experts * rows, k) weight. The
 // expert ids are read on the device (from moe_route), so a decode step stays one graph with no host sync.
-// A "dot" is one warp's product of weight row `row` with activation row `xrow`: `partial` is this lane's share,
-// the call the warp's sum in every lane.
-template <class B>
-struct QDot {
-    Planes p;
-    const signed char* xq;
-    const signed char* xq2;
-    const float2* xds;
-    int k;
-    __device__ float partial(long row, long xrow) const {
-        float acc[1] = {0.0f};
-        const long g = xrow * (k / 32);
-        row_dots<B, 1, 1>(&p, (int)row, 0, k, threadIdx.x & 31, 32, xq + 32 * g, xq2 + 32 * g, xds + g, acc);
-        return acc[0];
-    }
-    __device__ float operator()(long row, long xrow) const { return warp_sum(partial(row, xrow)); }
-};
-
+// A "dot" (float weights) is one warp's product of weight row `row` with activation row `xrow`: `partial` is this
+// lane's share, the call the warp's sum in every lane.
 template <class W>
 struct FDot {
     const typename W::T* w;
@@ -381,6 +365,51 @@ __device__ __forceinline__ void moe_down(const D& down, const int* __restrict__ 
     if ((threadIdx.x & 31) == 0) out[(long)token * d + r] = total;
 }
 
+// Quantized weights, against int8 activations (the token's x, or the hidden rows of its slots). gate/up: the two
+// matrices' groups in one loop, so each lane has both rows' loads in flight at once. down: the lanes take the
+// (expert, group) pairs of all the token's experts in turn (k / 32 groups a row, 24 for a 768-wide expert, would
+// leave a quarter of the lanes idle one expert at a time), each weighted as it is summed; a lane's order is fixed.
+template <class B>
+__device__ __forceinline__ void moe_gate_up_q(const Planes (&w)[2], const signed char* __restrict__ xq,
+                                              const signed char* __restrict__ xq2, const float2* __restrict__ xds,
+                                              const int* __restrict__ ids, int top_k, float* __restrict__ hidden,
+                                              int f, int k, int act) {
+    const int slot = blockIdx.y, r = blockIdx.x * 4 + threadIdx.x / 32;
+    if (r >= f) return;
+    const long g0 = (long)(slot / top_k) * (k / 32);
+    float acc[2] = {0.0f, 0.0f};
+    row_dots<B, 2, 1>(w, __ldg(ids + slot) * f + r, f, k, threadIdx.x & 31, 32, xq + 32 * g0, xq2 + 32 * g0,
+                      xds + g0, acc);
+    const float g = warp_sum(acc[0]), u = warp_sum(acc[1]);
+    if ((threadIdx.x & 31) == 0) hidden[(long)slot * f + r] = activate(g, act) * u;
+}
+
+template <class B>
+__device__ __forceinline__ void moe_down_q(const Planes& w, const signed char* __restrict__ xq,
+                                           const signed char* __restrict__ xq2, const float2* __restrict__ xds,
+                                           const int* __restrict__ ids, const float* __restrict__ weights,
+                                           int top_k, float* __restrict__ out, int d, int f) {
+    const int token = blockIdx.y, r = blockIdx.x * 4 + threadIdx.x / 32;
+    if (r >= d) return;
+    const int n_groups = f / 32;
+    float total = 0.0f;
+#pragma unroll 4
+    for (int i = threadIdx.x & 31; i < top_k * n_groups; i += 32) {
+        const int j = i / n_groups, g = i % n_groups;
+        const long slot = (long)token * top_k + j, gx = slot * n_groups + g;
+        int q[8];
+        float sc[2], mn;
+        decode_group<B>(w, (long)__ldg(ids + slot) * d + r, f, g, q, sc, mn);
+        const int4 xv[4] = {__ldg(reinterpret_cast<const int4*>(xq + 32 * gx)),
+                            __ldg(reinterpret_cast<const int4*>(xq + 32 * gx + 16)),
+                            __ldg(reinterpret_cast<const int4*>(xq2 + 32 * gx)),
+                            __ldg(reinterpret_cast<const int4*>(xq2 + 32 * gx + 16))};
+        total += __ldg(weights + slot) * group_dot(q, xv, sc, mn, __ldg(xds + gx));
+    }
+    total = warp_sum(total);
+    if ((threadIdx.x & 31) == 0) out[(long)token * d + r] = total;
+}
+
 #define MOE_Q(name, B)                                                                                         \
     extern "C" __global__ void moe_gate_up_##name(const u8* q, const u8* h, const u8* s, const u8* d,         \
                                                   const u8* q2, const u8* h2, const u8* s2, const u8* d2,      \
@@ -388,16 +417,15 @@ __device__ __forceinline__ void moe_down(const D& down, const int* __restrict__ 
                                                   const float2* xds, const int* ids, int top_k, float* hidden, \
                                                   int f, int k, int act) {                                     \
         grid_dependency_sync();                                                                                \
-        const QDot<B> gate{{q, h, s, d}, xq, xq2, xds, k}, up{{q2, h2, s2, d2}, xq, xq2, xds, k};              \
-        moe_gate_up(gate, up, ids, top_k, hidden, f, act);                                                     \
+        const Planes w[2] = {{q, h, s, d}, {q2, h2, s2, d2}};                                                  \
+        moe_gate_up_q<B>(w, xq, xq2, xds, ids, top_k, hidden, f, k, act);                                      \
     }                                                                                                          \
     extern "C" __global__ void moe_down_##name(const u8* q, const u8* h, const u8* s, const u8* d,            \
                                                const signed char* xq, const signed char* xq2, const float2* xds, \
                                                const int* ids, const float* weights, int top_k, float* out,    \
                                                int dim, int f) {                                               \
         grid_dependency_sync();                                                                                \
-        const QDot<B> down{{q, h, s, d}, xq, xq2, xds, f};                                                     \
-        moe_down(down, ids, weights, top_k, out, dim);                                                         \
+        moe_down_q<B>(Planes{q, h, s, d}, xq, xq2, xds, ids, weights, top_k, out, dim, f);                     \
     }
 FOR_EACH_QUANT(MOE_Q)
 
