@@ -10,12 +10,12 @@ import os
 from typing import Any, Callable
 
 import numpy as np
-from threadpoolctl import threadpool_limits
 
 from engine import quants
 from engine.backend import ROPE_NEOX, KVCache, MemoryInUse, RopeTable, SamplingParams
 from engine.capabilities import CPU_KV_DTYPE
 from engine.cpu import experts, ops
+from engine.cpu.blas import blas_threads
 from engine.cpu.weights import CpuWeight, activation_for, load, product, rows_f32
 from engine.errors import EngineError
 from engine.gguf_file import GGUFTensor
@@ -80,7 +80,7 @@ class NumpyBackend:
         threads = max(1, (os.cpu_count() or 2) // 2)
 
         def limited_step(position: int) -> None:
-            with threadpool_limits(limits=threads, user_api="blas"):
+            with blas_threads(threads):
                 step()
 
         return limited_step

@@ -14,9 +14,9 @@ import functools
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-from threadpoolctl import threadpool_limits
 
 from engine.cpu import ops, products
+from engine.cpu.blas import blas_threads
 from engine.cpu.weights import CpuWeight, activation_for, product
 
 
@@ -46,7 +46,7 @@ def moe_ffn(x: np.ndarray, gate: CpuWeight, up: CpuWeight, down: CpuWeight, ids:
     chosen = np.unique(ids).tolist()
     if threads > 1 and len(chosen) > 1:
         # Experts in parallel, each on one BLAS thread: their products are small, their dequantization is the work.
-        with threadpool_limits(limits=1, user_api="blas"):
+        with blas_threads(1):
             parts = list(_pool(threads).map(expert_output, chosen))
     else:
         parts = [expert_output(e) for e in chosen]
