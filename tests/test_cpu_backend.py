@@ -9,6 +9,7 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize, quantize
 
 from engine.backend_numpy import NumpyBackend
+from engine.cpu import ops
 from engine.gguf_file import GGUFTensor
 from engine.kernels import reference
 
@@ -57,3 +58,29 @@ def test_embed_dequantizes_the_rows_it_gathers():
     out = np.empty((4, 64), np.float32)
     backend.embed(table, tokens, out, scale=2.0)
     np.testing.assert_array_equal(out, values[tokens] * np.float32(2.0))
+
+
+# (position, window, heads, KV heads, head size, NeoX rotation): GQA groups 1-4, a sliding window inside the range,
+# the first position (the token alone), SmolLM2's head size 64 and Qwen's 128.
+@pytest.mark.parametrize("position,window,heads,kv,hd,neox",
+                         [(0, 0, 4, 4, 64, False), (300, 0, 9, 3, 64, True), (300, 40, 8, 2, 128, False),
+                          (77, 0, 4, 1, 128, True)])
+def test_one_token_attention_matches_the_reference(position, window, heads, kv, hd, neox):
+    """A decode step's attention (rotary embedding, cache write, attention over the cache) against the reference's
+    rope_store_kv then attention on copies of the same inputs."""
+    rng = np.random.default_rng()
+    max_tokens = 512
+    q, k, v = (rng.standard_normal((1, n, hd)).astype(np.float32) for n in (heads, kv, kv))
+    kc, vc = (rng.standard_normal((kv, max_tokens, hd)).astype(np.float32) for _ in range(2))
+    cos, sin = reference.rope_tables((1.0 / 10000 ** (np.arange(0, hd, 2) / hd)).astype(np.float32), max_tokens)
+    scale = 1 / np.sqrt(hd)
+    want_q, want_k, want_kc, want_vc = q.copy(), k.copy(), kc.copy(), vc.copy()
+    reference.rope_store_kv(want_q, want_k, v, cos, sin, "neox" if neox else "normal", want_kc, want_vc, position)
+    want = np.empty((1, heads * hd), np.float32)
+    reference.attention(want_q, want_kc, want_vc, position, want, scale, window)
+    got = np.full((1, heads * hd), np.nan, np.float32)
+    ops.rope_attention_one(q, k, v, cos, sin, neox, kc, vc, position, got, scale, window)
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-6)
+    # The value lands as it came; the key rotated (numba may fuse the rotation's multiply-adds: float32 rounding).
+    assert np.array_equal(vc, want_vc)
+    np.testing.assert_allclose(kc, want_kc, rtol=0, atol=1e-6)

@@ -50,7 +50,8 @@ def _rotate(x, cos, sin, neox):
 def rope_attention_one(q, k, v, cos, sin, neox, k_cache, v_cache, position, out, scale, window):
     """One token at `position`: rotate q (1, heads, d) and k (1, kv_heads, d), store k and v in the layer's
     cache (kv_heads, max_tokens, d), then causal attention over positions up to it (the last `window` when
-    window > 0); out (1, heads * d)."""
+    window > 0); out (1, heads * d). Each key and value row is read once for the group of query heads that share
+    it, and the inner loops run over contiguous rows (the group's queries copied out first), so they vectorize."""
     heads, d = q.shape[1], q.shape[2]
     kv_heads = k.shape[1]
     group = heads // kv_heads
@@ -63,28 +64,37 @@ def rope_attention_one(q, k, v, cos, sin, neox, k_cache, v_cache, position, out,
     first = max(0, position - window + 1) if window > 0 else 0
     n = position + 1 - first
     scores = np.empty((group, n), _F)
-    for g in range(kv_heads):  # a key row is read once for the group of query heads that share it
+    queries = np.empty((group, d), _F)
+    mixed = np.empty((group, d), _F)
+    for g in range(kv_heads):
+        keys, values = k_cache[g], v_cache[g]
+        for hh in range(group):
+            for i in range(d):
+                queries[hh, i] = q[0, g * group + hh, i] * _F(scale)
         for j in range(n):
-            key = k_cache[g, first + j]
             for hh in range(group):
                 s = _F(0)
                 for i in range(d):
-                    s += q[0, g * group + hh, i] * key[i]
-                scores[hh, j] = s * _F(scale)
+                    s += queries[hh, i] * keys[first + j, i]
+                scores[hh, j] = s
         for hh in range(group):
             top = scores[hh].max()
             total = _F(0)
             for j in range(n):
                 scores[hh, j] = math.exp(scores[hh, j] - top)
                 total += scores[hh, j]
-            h = g * group + hh
-            mixed = out[0, h * d : (h + 1) * d]
-            mixed[:] = 0
             for j in range(n):
-                p = scores[hh, j] / total
-                value = v_cache[g, first + j]
+                scores[hh, j] /= total
+        mixed[:] = 0
+        for j in range(n):
+            for hh in range(group):
+                p = scores[hh, j]
                 for i in range(d):
-                    mixed[i] += p * value[i]
+                    mixed[hh, i] += p * values[first + j, i]
+        for hh in range(group):
+            h = g * group + hh
+            for i in range(d):
+                out[0, h * d + i] = mixed[hh, i]
 
 
 def is_gelu(activation: str) -> bool:
