@@ -566,8 +566,8 @@ def attention_decode(q, k, v, cos, sin, neox: bool, k_cache, v_cache, start, out
 SPLIT_MIN_KEYS, MAX_SPLITS = 128, 64  # attention.cu: fewest keys a decode split takes, most splits a merge reads
 SPLIT_BLOCKS_PER_SM = 2
 SPLIT_CONTEXT = 8192  # before sm_90: caches from this many positions decode with a split form
-# sm_90: decode steps from this position on take attention_decode_deep. The cluster kernel took 14.4 us against
-# 23.2 for attention_decode_split at 2,047 keys and 49.6 against 37.2 at 7,680 (8B shape, H200).
+# sm_90: decode steps from this position on take attention_decode_deep. The cluster kernel took 7.29 us against
+# 11.06 at 511 keys and 14.4 against 15.3 at 2,047, 24.8 against 16.9 at 4,095 (8B shape, H200).
 DEEP_DECODE_KEYS = 4096
 DEEP_WARPS = 4  # attention.cu DEEP_WARPS
 
@@ -610,15 +610,15 @@ def attention_decode_split(q, k, v, cos, sin, neox: bool, k_cache, v_cache, star
             i32(n_heads), i32(n_kv), start, i32(window), f32(scale * LOG2_E), part, done, out, *q8_args(q8)))
 
 
+@functools.cache
 def _deep_kernel(hd: int, tiles: tuple[int, int]) -> tuple[str, int, int]:
     """(name, dynamic shared bytes, blocks a multiprocessor holds) of attention_decode_deep with these tiles; the
-    kernel is allowed its shared memory (above the default 48 KB) the first time."""
+    kernel is allowed its shared memory (above the default 48 KB) here, once."""
     name = N.deep_decode(hd, tiles)
     kt, stages = tiles
     shared = DEEP_WARPS * stages * 2 * kt * (hd + 8) * 2  # each warp's buffers of keys and values, padded rows
     fn = kernel("attention", name)
-    if fn.max_dynamic_shared_size_bytes < shared:
-        fn.max_dynamic_shared_size_bytes = shared
+    fn.max_dynamic_shared_size_bytes = shared
     per_sm = cupy.cuda.Device().attributes["MaxSharedMemoryPerMultiprocessor"]
     per_block = shared + fn.attributes["shared_size_bytes"] + 1024  # the 1 KB the GPU reserves a block
     return name, shared, max(1, per_sm // per_block)
