@@ -187,9 +187,10 @@ def gpu_name() -> str:
         return "none"
 
 
-def run(path: Path, prompt_len: int, output_len: int, device: str, repeats: int, experts_in_ram: int = 0) -> dict:
+def run(path: Path, prompt_len: int, output_len: int, device: str, repeats: int, experts_in_ram: int = 0,
+        expert_cache_slots: int = 0) -> dict:
     model = load_model(path, device=device, context_length=prompt_len + output_len + 8,
-                       expert_layers_in_ram=experts_in_ram)
+                       expert_layers_in_ram=experts_in_ram, expert_cache_slots=expert_cache_slots)
     state = model._state
     backend = state.backend
     rng = np.random.default_rng(0)
@@ -244,6 +245,8 @@ def run(path: Path, prompt_len: int, output_len: int, device: str, repeats: int,
         split_floor = 1 / (gpu_bytes / BANDWIDTH + host_bytes / host_bw)
         placement = {
             "expert_layers_in_ram": model.info.expert_layers_in_ram,
+            # The cache as the last timed run left it (it fills and adapts over the warm-up and the runs).
+            "expert_cache": dataclasses.asdict(model.expert_cache()),
             "host_expert_bytes_per_token": host_bytes,
             "host_read_gb_per_s": round(host_bw / 1e9, 1),
             "split_floor_output_tokens_per_s": round(split_floor, 1),
@@ -294,6 +297,8 @@ def main() -> None:
                         help="decode attention's kernel on a GPU (cuda.decode_attention_form picks by default)")
     parser.add_argument("--experts-in-ram", type=int, default=0,
                         help="MoE layers whose routed experts stay in RAM, computed by the CPU (the first N)")
+    parser.add_argument("--expert-cache-slots", type=int, default=0,
+                        help="GPU slots for the most used experts of each layer kept in RAM (engine/expert_cache.py)")
     args = parser.parse_args()
     if args.device == "cuda":
         from engine.kernels import cuda
@@ -303,7 +308,8 @@ def main() -> None:
         if args.decode_attention != "auto":
             cuda.decode_attention_form = lambda n_heads, n_kv, max_tokens, deep: args.decode_attention
     for path in args.models:
-        result = run(path, args.prompt, args.output, args.device, args.repeats, args.experts_in_ram)
+        result = run(path, args.prompt, args.output, args.device, args.repeats, args.experts_in_ram,
+                     args.expert_cache_slots)
         print(json.dumps({**result, "prompt_attention": args.attention, "decode_attention": args.decode_attention}),
               flush=True)
 

@@ -1,6 +1,6 @@
 # One device call: install the carried wheels, run the GPU tests, then the speed benchmarks.
 # Usage (on the GPU machine, repo root): bash bench/device_run.sh [tests] [kernels] [shapes] [prompt] [synthetic] [profile] [smol]
-#                                        [archs] [memory] [issue5] [flash] [ram] [moe] [hybrid] [hybridbench]
+#                                        [archs] [memory] [issue5] [flash] [ram] [cache] [moe] [hybrid] [hybridbench]
 # The GPU machine has no network: .whl/ holds the wheels it lacks (gguf; pydantic and its dependencies, which
 # tests/conftest.py's catalog lookup imports; `pip download` them for Python 3.12), and the SmolLM2 GGUF
 # (98 MB, over one call's 64 MB) travels in two parts, .carry/smol.part00 (copied to /tmp/strata by a first call) and
@@ -78,6 +78,19 @@ for part in "$@"; do
       [ -f "$f" ] || python3 bench/make_synthetic_gguf.py "$f" --shape qwen3-30b-a3b --type Q4_K_M
       for n in ${RAM_LAYERS:-0 21 32 48}; do
         timeout 240 python3 bench/bench_gpu.py "$f" --prompt ${RAM_PROMPT:-512} --repeats 2 --experts-in-ram $n 2>&1 | tee -a "$OUT/ram_bench.jsonl"
+      done ;;
+    cache)
+      # The hot-expert cache (issue 18 item 4): the mixture tests, then the synthetic Qwen3-30B-A3B (Q4_K_M mix) with
+      # routers skewed by CACHE_SKEW=2 (make_synthetic_gguf.py router_rows), for CACHE_RUNS="layers:slots ..." (the
+      # experts of that many layers in RAM, GPU slots for each such layer's hottest experts), prompt 512, 256 out.
+      cp .carry/smollm2-tokenizer.gguf /tmp/strata/
+      timeout 240 python3 -m pytest -q -s -p no:cacheprovider --tb=short -rf tests/test_gpu_moe.py 2>&1 | tee "$OUT/cache_tests.log" | grep -E "in RAM|slots|passed|failed|Error"
+      f=/tmp/strata/synthetic-qwen3-30b-a3b-skew.gguf
+      [ -f "$f" ] || python3 bench/make_synthetic_gguf.py "$f" --shape qwen3-30b-a3b --type Q4_K_M --router-skew ${CACHE_SKEW:-2}
+      for run in ${CACHE_RUNS:-21:0 24:16}; do
+        IFS=: read -r layers slots <<< "$run"
+        timeout 240 python3 bench/bench_gpu.py "$f" --output 256 --repeats 2 --experts-in-ram $layers \
+          --expert-cache-slots $slots 2>&1 | tee -a "$OUT/cache_bench.jsonl"
       done ;;
     moe)
       timeout 240 python3 -m pytest -q -s -p no:cacheprovider --tb=short -rf tests/test_gpu_moe.py tests/test_gpu_kernels.py \

@@ -14,7 +14,7 @@ lie at their own addresses, and writing a 20 GB file stays a memory copy instead
 
 Usage: python bench/make_synthetic_gguf.py OUT.gguf --shape 1.2b|8b|qwen3-8b|qwen3-30b-a3b|qwen3.8-27b|qwen3.6-35b-a3b
        --type Q4_0|Q4_K|Q4_K_M|...
-       [--tokenizer OTHER.gguf]
+       [--tokenizer OTHER.gguf] [--router-skew S]
 """
 
 from __future__ import annotations
@@ -171,9 +171,10 @@ def _copied_tokenizer(w: GGUFWriter, s: dict, source: Path) -> None:
 
 
 def write_model(path: Path, s: dict, qtype: T | dict[str, T], name: str, seed: int = 0,
-                tokenizer: Path | None = None) -> None:
+                tokenizer: Path | None = None, router_skew: float = 0.0) -> None:
     """Write the model of geometry s (a SHAPES entry) with every matrix of type qtype, or per role from a
-    type_mix dict; with the tokenizer of the GGUF `tokenizer` (see _copied_tokenizer), else a minimal one."""
+    type_mix dict; with the tokenizer of the GGUF `tokenizer` (see _copied_tokenizer), else a minimal one.
+    router_skew: see router_rows."""
     types = qtype if isinstance(qtype, dict) else {role: qtype for role in ROLES}
     rng = np.random.default_rng(seed)
     pools: dict = {}
@@ -207,7 +208,7 @@ def write_model(path: Path, s: dict, qtype: T | dict[str, T], name: str, seed: i
         if "experts" in s:
             e = s["experts"]
             # The routers stay F32, as llama.cpp keeps them.
-            w.add_tensor(f"blk.{i}.ffn_gate_inp.weight", (rng.standard_normal((e, hidden), np.float32) * 0.02))
+            w.add_tensor(f"blk.{i}.ffn_gate_inp.weight", router_rows(e, hidden, router_skew, rng))
             matrix(f"blk.{i}.ffn_gate_exps.weight", "ffn_gate", e * ffn, hidden, (e, ffn, hidden))
             matrix(f"blk.{i}.ffn_up_exps.weight", "ffn_up", e * ffn, hidden, (e, ffn, hidden))
             matrix(f"blk.{i}.ffn_down_exps.weight", "ffn_down", e * hidden, ffn, (e, hidden, ffn))
@@ -227,6 +228,17 @@ def write_model(path: Path, s: dict, qtype: T | dict[str, T], name: str, seed: i
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def router_rows(experts: int, hidden: int, skew: float, rng: np.random.Generator) -> np.ndarray:
+    """A router's random rows, the row of the expert of rank r (a random order per layer) scaled by
+    exp(-skew * r / experts): a wider spread of logits wins the top-k more often, so skew > 0 makes some experts
+    hot, as trained routers do (random rows route nearly uniformly). A synthetic skew, not a real model's: with 128
+    experts and 8 picked, skew 2 gives the 16 hottest about 40% of the picks (0 gives them 13%)."""
+    rows = rng.standard_normal((experts, hidden), np.float32) * np.float32(0.02)
+    if not skew:  # the draws of files made before the option
+        return rows
+    return rows * np.exp(-skew * rng.permutation(experts) / experts).astype(np.float32)[:, None]
 
 
 def _deltanet(w: GGUFWriter, matrix, s: dict, i: int, rng: np.random.Generator) -> None:
@@ -254,9 +266,11 @@ def main() -> None:
     parser.add_argument("--type", default="Q4_0", help="GGML type of every matrix (Q4_0, Q4_K, Q8_0, ...) or Q4_K_M")
     parser.add_argument("--tokenizer", type=Path, help="a GGUF whose tokenizer to copy (e.g. the SmolLM2 file), so "
                         "llama.cpp can load the result too")
+    parser.add_argument("--router-skew", type=float, default=0.0,
+                        help="make some experts of each layer hot (router_rows); 0: random routing, nearly uniform")
     args = parser.parse_args()
     write_model(args.out, SHAPES[args.shape], type_mix(args.type), f"synthetic-{args.shape}-{args.type}",
-                tokenizer=args.tokenizer)
+                tokenizer=args.tokenizer, router_skew=args.router_skew)
 
 
 if __name__ == "__main__":

@@ -47,6 +47,20 @@ class MemoryInUse:
         return self.host_bytes + self.device_bytes
 
 
+@dataclass
+class ExpertCacheStats:
+    """The GPU backend's cache of hot experts for the layers whose experts live in RAM (engine/expert_cache.py)."""
+
+    slots_per_layer: int
+    layers: int  # layers in RAM with slots (a layer of types the GPU cannot read has none)
+    device_bytes: int
+    experts_cached: int
+    picks: int  # experts chosen by decoded tokens in those layers, as counted so far
+    hits: int  # of them, the ones the cache held
+    recent_hit_rate: float | None  # of the picks between the last two reads of the counts (a few dozen tokens)
+    swaps: int  # experts uploaded into the cache
+
+
 ROPE_NORMAL = "normal"  # rotate adjacent pairs (x[2i], x[2i+1]): llama GGUF, whose Q/K rows are permuted for it
 ROPE_NEOX = "neox"  # rotate halves (x[i], x[i + rot_dim/2]): qwen2/qwen3/gemma3
 

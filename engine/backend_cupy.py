@@ -21,9 +21,10 @@ import cupyx
 import numpy as np
 
 from engine import quants
-from engine.backend import ROPE_NEOX, ROPE_NORMAL, KVCache, MemoryInUse, RopeTable, SamplingParams
+from engine.backend import ROPE_NEOX, ROPE_NORMAL, ExpertCacheStats, KVCache, MemoryInUse, RopeTable, SamplingParams
 from engine.capabilities import DEQUANT_SCRATCH_ELEMENTS, GPU_KV_DTYPE, HOST_EXPERT_THREADS, MIN_COMPUTE_CAPABILITY
 from engine import expert_stream
+from engine.expert_cache import ExpertCache
 from engine.cpu import experts as cpu_experts
 from engine.cpu.weights import CpuWeight
 from engine.cpu.weights import load as load_host_weight
@@ -118,6 +119,8 @@ class CupyBackend:
         self._id_next = 0
         self._host_calls: HostCalls | None = None  # made when a layer's experts are placed in RAM
         self._host_weights: list[CpuWeight] = []
+        self._host_sources: list[GGUFTensor] = []  # the file's tensors of _host_weights, for the expert cache
+        self._expert_cache = ExpertCache(0)  # GPU slots for the hottest experts of each layer kept in RAM
         self._host_stage: dict[str, np.ndarray] = {}  # pinned: one token's expert input and output
         self._expert_stream: expert_stream.ExpertStream | None = None  # made with a chunk's first streamed layer
         self._closed = False
@@ -207,7 +210,19 @@ class CupyBackend:
         if self._host_calls is None:
             self._host_calls = HostCalls()
         self._host_weights.append(weight)
+        self._host_sources.append(tensor)
+        if len(self._host_weights) % 3 == 0:  # a layer's gate, up and down (MoeFFN.load's order)
+            self._expert_cache.add(tuple(self._host_weights[-3:]), tuple(self._host_sources[-3:]))
         return weight
+
+    @_op()
+    def keep_hot_experts(self, slots: int) -> None:
+        """Before the experts kept in RAM are uploaded: GPU slots for each such layer's most used experts."""
+        self._expert_cache.close()
+        self._expert_cache = ExpertCache(slots)
+
+    def expert_cache_stats(self) -> ExpertCacheStats:
+        return self._expert_cache.stats()
 
     def memory_in_use(self) -> MemoryInUse:
         """Bytes in CuPy's pool for this process, and the experts (and their pinned staging) kept in RAM."""
@@ -233,6 +248,7 @@ class CupyBackend:
             if deep in graphs:
                 if self._host_calls is not None:
                     self._host_calls.arm()
+                    self._expert_cache.refresh(self.stream)
                 graphs[deep].launch(self.stream)
                 return
             self._deep_decode = deep
@@ -264,6 +280,8 @@ class CupyBackend:
         self._decode_scratch.clear()
         self._id_slots = None
         self._host_weights.clear()
+        self._host_sources.clear()
+        self._expert_cache.close()
         self._host_stage.clear()
         self._expert_stream = None
         if self._host_calls is not None:
@@ -375,7 +393,7 @@ class CupyBackend:
             if n >= STREAM_MIN_TOKENS and K.mma_capable() and expert_stream.streamable(layer):
                 self._streamed_moe(x, layer, ids, weights, out, hidden, act)
             else:
-                self._moe_on_host(x, *layer, ids, weights, out, activation)
+                self._moe_on_host(x, *layer, ids, weights, out, hidden, activation)
             return
         if gate_exps.qtype != up_exps.qtype:
             raise EngineError(
@@ -386,17 +404,23 @@ class CupyBackend:
         if ids.size >= GROUPED_MIN_SLOTS_PER_EXPERT * gate_exps.shape[0] and K.grouped(gate_exps, up_exps, down_exps):
             self._grouped_moe(x, gate_exps, up_exps, down_exps, ids, weights, out, hidden, act)
             return
+        self._expert_products(x, gate_exps, up_exps, down_exps, ids, weights, out, hidden, act)
+
+    def _expert_products(self, x, gate: K.GpuWeight, up: K.GpuWeight, down: K.GpuWeight, ids, weights, out, hidden,
+                         act: int) -> None:
+        """out = the chosen experts' weighted sum, a product per (token, expert) slot; an id below 0 adds nothing."""
+        n = x.shape[0]
         x_q8 = h_q8 = None
-        if gate_exps.quantized:
+        if gate.quantized:
             x_q8 = self._quantized_input(x) if n == 1 else self._q8_scratch(self._buffer, "moe_x", x.size)
             if n > 1:
                 K.quantize_q8(x, x_q8)
-        K.moe_gate_up(gate_exps, up_exps, x, x_q8, ids, hidden, act)
-        if down_exps.quantized:
+        K.moe_gate_up(gate, up, x, x_q8, ids, hidden, act)
+        if down.quantized:
             # A prompt chunk's scratch grows as needed; decode's keeps the address its captured graph holds.
             h_q8 = self._q8_scratch(self._buffer if n > 1 else self._decode_buffer, "moe_hidden", hidden.size)
             K.quantize_q8(hidden, h_q8)
-        K.moe_down(down_exps, hidden, h_q8, ids, weights, out)
+        K.moe_down(down, hidden, h_q8, ids, weights, out)
 
     def _grouped_moe(self, x, gate: K.GpuWeight, up: K.GpuWeight, down: K.GpuWeight, ids, weights, out, hidden,
                      act: int) -> None:
@@ -425,13 +449,13 @@ class CupyBackend:
         following = self._host_weights[last + 1 : last + 4]  # the next layer's experts: uploaded a layer at a time
         self._expert_stream.done(self.stream, following if len(following) == 3 else None)
 
-    def _moe_on_host(self, x, gate: CpuWeight, up: CpuWeight, down: CpuWeight, ids, weights, out,
+    def _moe_on_host(self, x, gate: CpuWeight, up: CpuWeight, down: CpuWeight, ids, weights, out, hidden,
                      activation: str) -> None:
-        """The experts of a layer kept in RAM, computed by the CPU. One token: the stream copies x and the routing
-        to pinned memory, calls the CPU kernels (a host call, engine/kernels/host_calls.py, which a decode step's
-        graph captures) and copies their result back, so the step stays one graph; their activations are int8 per
-        32 values, as this backend's own kernels round them. A prompt chunk: this thread waits for the routing and
-        computes."""
+        """The experts of a layer kept in RAM. One token: the experts the layer's cache holds (engine/expert_cache.py)
+        run on the GPU while the CPU computes the others, handed over in a host call (engine/kernels/host_calls.py,
+        which a decode step's graph captures): the step stays one graph; the CPU's activations are int8 per 32
+        values, as this backend's own kernels round them. A prompt chunk: this thread waits for the routing and the
+        CPU computes every expert."""
         if x.shape[0] > 1:
             self.synchronize()
             xh, idh, wh = (cupy.asnumpy(a, stream=self.stream, blocking=True) for a in (x, ids, weights))
@@ -440,17 +464,21 @@ class CupyBackend:
             out.set(result, stream=self.stream)
             return
         stage = self._stage({"x": x, "ids": ids, "weights": weights, "out": out})
-        for name, src in (("x", x), ("ids", ids), ("weights", weights)):
-            cupy.cuda.runtime.memcpyAsync(stage[name].ctypes.data, src.data.ptr, src.nbytes,
-                                          cupy.cuda.runtime.memcpyDeviceToHost, self.stream.ptr)
+        cache = self._expert_cache.layer(gate)
+        slots = self._decode_buffer("moe_cache_slots", ids.size, cupy.int32).reshape(ids.shape)
+        K.moe_cache_ids(ids, weights, cache.slot_of, slots, stage["ids"], stage["weights"], cache.uses)
+        cupy.cuda.runtime.memcpyAsync(stage["x"].ctypes.data, x.data.ptr, x.nbytes,
+                                      cupy.cuda.runtime.memcpyDeviceToHost, self.stream.ptr)
 
         def job() -> None:
             cpu_experts.moe_ffn(stage["x"], gate, up, down, stage["ids"], stage["weights"], stage["out"], activation,
                                 HOST_EXPERT_THREADS, bits=8)
 
-        self._host_calls.launch((id(gate), id(up), id(down), activation), job)
-        cupy.cuda.runtime.memcpyAsync(out.data.ptr, stage["out"].ctypes.data, out.nbytes,
-                                      cupy.cuda.runtime.memcpyHostToDevice, self.stream.ptr)
+        self._host_calls.post((id(gate), id(up), id(down), activation), job)
+        if cache.weights is not None:
+            self._expert_products(x, *cache.weights, slots, weights, out, hidden, ACTIVATIONS[activation])
+        self._host_calls.wait()
+        K.add_host_answer(out, stage["out"], add=cache.weights is not None)
 
     def _stage(self, like: dict[str, Any]) -> dict[str, np.ndarray]:
         """Pinned host arrays shaped as the given one-token arrays, shared by every layer whose experts are in RAM

@@ -80,4 +80,5 @@ def profile() -> dict[str, Any]:
         "default_context": DEFAULT_CONTEXT,
         "dequant_scratch_elements": DEQUANT_SCRATCH_ELEMENTS,
         "experts_in_ram": True,
+        "hot_expert_cache": True,  # engine/expert_cache.py
     }

@@ -33,10 +33,25 @@ class GGUFTensor:
     qtype: GGMLQuantizationType
     shape: tuple[int, ...]
     raw: np.ndarray
+    file: Path | None = None  # where raw lies in a file (None for a tensor made in memory)
+    offset: int = 0
 
     @property
     def nbytes(self) -> int:
         return int(self.raw.nbytes)
+
+    def read(self, start: int, count: int) -> np.ndarray:
+        """count bytes of the data from byte `start`: read from the file, so no mapping of it stays open (for what
+        needs the bytes after the model's load has closed the file)."""
+        if self.file is None:
+            return np.asarray(self.raw).reshape(-1).view(np.uint8)[start : start + count].copy()
+        with open(self.file, "rb") as f:
+            f.seek(self.offset + start)
+            data = f.read(count)
+        if len(data) != count:
+            raise EngineError(f"The model file {self.file} was cut short while in use; tensor {self.name} is no "
+                              f"longer whole. {_REDOWNLOAD}")
+        return np.frombuffer(data, np.uint8)
 
     @property
     def type_name(self) -> str:
@@ -126,7 +141,8 @@ class GGUFFile:
             for t in reader.tensors:
                 shape = tuple(int(d) for d in reversed(t.shape.tolist()))
                 raw = reader.data[t.data_offset : t.data_offset + t.n_bytes]
-                self.tensors[t.name] = GGUFTensor(t.name, GGMLQuantizationType(t.tensor_type), shape, raw)
+                self.tensors[t.name] = GGUFTensor(t.name, GGMLQuantizationType(t.tensor_type), shape, raw,
+                                                  Path(reader.data.filename), int(t.data_offset))
         expected = self.get("split.tensors.count")
         if expected is not None and expected != len(self.tensors):
             raise EngineError(

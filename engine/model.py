@@ -13,7 +13,7 @@ import psutil
 
 from engine.arch import architecture_module
 from engine.arch.parts import MOE, MOE_SHARED, DecoderConfig
-from engine.backend import Backend, MemoryInUse
+from engine.backend import Backend, ExpertCacheStats, MemoryInUse
 from engine.backend_numpy import NumpyBackend
 from engine.capabilities import DEFAULT_CONTEXT, MAX_PROMPT_CHUNK
 from engine.chat_template import ChatTemplate
@@ -43,6 +43,7 @@ class ModelInfo:
     kv_cache_bytes: int
     expert_layers_in_ram: int  # MoE layers whose routed experts live in RAM and run on the CPU (GPU backend)
     host_weight_bytes: int  # of weight_bytes, what lives in RAM beside the GPU (those experts)
+    expert_cache_slots: int  # GPU slots for the most used experts of each such layer (engine/expert_cache.py)
     has_chat_template: bool  # base models have none: they only continue plain text
 
 
@@ -94,6 +95,19 @@ def _host_expert_layers(config: DecoderConfig, count: Any, name: str) -> frozens
         raise EngineError(f"{name} has {what}, so the experts of {count} layers cannot be kept in RAM. "
                           f"Use expert_layers_in_ram={len(moe_layers)} or less.")
     return frozenset(moe_layers[:count])
+
+
+def _expert_cache_slots(config: DecoderConfig, slots: Any, name: str) -> int:
+    """expert_cache_slots, checked; EngineError when it cannot be."""
+    if not isinstance(slots, int) or isinstance(slots, bool) or slots < 0:
+        raise EngineError(f"expert_cache_slots must be a whole number of experts, 0 or more, not {slots!r}.")
+    if slots and not any(kind in (MOE, MOE_SHARED) for kind in config.ffn_kinds):
+        raise EngineError(f"{name} is not a mixture of experts, so it has no experts to cache: use "
+                          "expert_cache_slots=0.")
+    if slots > (experts := config.moe().count if slots else 0):
+        raise EngineError(f"expert_cache_slots={slots} is more than the {experts} experts a layer of {name} has; "
+                          f"use {experts} or less.")
+    return slots
 
 
 class LoadedModel:
@@ -197,6 +211,12 @@ class LoadedModel:
             return MemoryInUse()
         return self._state.backend.memory_in_use()
 
+    def expert_cache(self) -> ExpertCacheStats | None:
+        """What the GPU's cache of hot experts holds and how often it served, for a model with experts in RAM."""
+        if self._state is None or not self.info.expert_layers_in_ram:
+            return None
+        return self._state.backend.expert_cache_stats()
+
     def close(self) -> None:
         """Free weights, cache and workspace. Waits for a running generation (stop it with should_stop first).
         Safe to call twice."""
@@ -217,11 +237,13 @@ def load_model(
     on_progress: Callable[[int, int, str], None] | None = None,
     should_cancel: Callable[[], bool] | None = None,
     expert_layers_in_ram: int = 0,
+    expert_cache_slots: int = 0,
 ) -> LoadedModel:
     """Open a GGUF, pick a backend and upload the weights. on_progress gets (tensors done, total, message);
     should_cancel returning True stops the load with `Cancelled` (an EngineError). expert_layers_in_ram: on the GPU,
     keep the routed experts of the first that many mixture-of-experts layers in RAM, where the CPU computes them
-    (the rest of the model stays on the GPU); on the CPU everything is in RAM anyway."""
+    (the rest of the model stays on the GPU); on the CPU everything is in RAM anyway. expert_cache_slots: GPU
+    memory for that many of each such layer's experts, the ones its tokens pick most (engine/expert_cache.py)."""
     gguf = GGUFFile(path)
     try:
         arch = architecture_module(gguf.architecture, f"The model {gguf.path.name}")
@@ -241,9 +263,13 @@ def load_model(
         tokenizer = Tokenizer(gguf)
         template = ChatTemplate.from_gguf(gguf)
         host_layers = _host_expert_layers(config, expert_layers_in_ram, gguf.path.name)
+        _expert_cache_slots(config, expert_cache_slots, gguf.path.name)
         backend, reason = select_backend(device)
         if backend.name == "numpy":
             host_layers = frozenset()
+        slots = _expert_cache_slots(config, expert_cache_slots, gguf.path.name) if host_layers else 0
+        if slots:
+            backend.keep_hot_experts(slots)  # the GPU backend's, which alone keeps experts in RAM beside a GPU
         try:
             _check_cpu_memory(gguf, backend)
             weights = arch.load_weights(gguf, config, backend, context, on_progress, should_cancel, host_layers)
@@ -277,6 +303,7 @@ def load_model(
             kv_cache_bytes=cache.nbytes,
             expert_layers_in_ram=len(host_layers),
             host_weight_bytes=memory.host_bytes if host_layers else 0,
+            expert_cache_slots=slots,
             has_chat_template=template is not None,
         )
         return LoadedModel(gguf, state, tokenizer, template, info)

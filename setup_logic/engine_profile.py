@@ -32,6 +32,9 @@ class EngineProfile(BaseModel):
     default_context: int = Field(gt=0, description="context the engine uses when none is asked for")
     dequant_scratch_elements: int = Field(ge=0, description="fp16 scratch of the GPU prompt path, in values")
     experts_in_ram: bool = Field(description="the engine can keep some MoE experts in RAM and compute them on the CPU")
+    hot_expert_cache: bool = Field(
+        False, description="the GPU can also hold the most picked experts of the layers whose experts are in RAM"
+    )
 
     def gpu_usable(self, compute_capability: str | None) -> bool:
         """Whether an NVIDIA GPU of this compute capability ("8.9") runs the engine's kernels."""

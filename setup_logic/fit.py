@@ -90,6 +90,10 @@ class MemoryEstimate(BaseModel):
     expert_staging_bytes: int = Field(
         0, description="GPU buffer a long prompt chunk copies one RAM layer's experts into (gpu+ram)"
     )
+    expert_cache_slots: int = Field(
+        0, description="experts of each RAM layer the GPU also holds: the ones its tokens pick most (gpu+ram)"
+    )
+    expert_cache_bytes: int = Field(0, description="GPU memory of those cached experts")
     vram_bytes: int = Field(description="total on the GPU")
     ram_bytes: int = Field(description="total the process grows by in RAM, reclaimable file pages included")
     ram_required_bytes: int = Field(description="RAM that must be available: ram_bytes without reclaimable pages")
@@ -193,17 +197,19 @@ def estimate_memory(
     level: Level,
     engine: EngineProfile,
     expert_layers_in_ram: int | None = None,
+    expert_cache_slots: int = 0,
 ) -> MemoryEstimate:
     """Bytes on the GPU and in RAM for running `model` with `context_length` tokens at `level`.
 
-    For "gpu+ram", expert_layers_in_ram is how many layers keep their routed experts in RAM (1 to n_layers)."""
+    For "gpu+ram", expert_layers_in_ram is how many layers keep their routed experts in RAM (1 to n_layers), and
+    expert_cache_slots how many of each such layer's experts the GPU holds as well (its most picked ones)."""
     if context_length < 1:
         raise ValueError("context_length must be at least 1")
     file_bytes = model.file_bytes
     workspace = workspace_bytes(model, context_length, engine, on_gpu=level != "cpu")
     ram_overhead = _RAM_BASE_BYTES + model.vocab_size * _RAM_PER_VOCAB_TOKEN
     f32 = engine.cpu_weights_dequantized_to_f32
-    ram_expert_read = staging = 0
+    ram_expert_read = staging = cache = 0
     if level == "cpu":
         ram_weights = round(model.params_b * 1e9 * 4) if f32 else round(file_bytes * _main_type_ratio(model, engine))
         gpu_weights = gpu_overhead = 0
@@ -228,13 +234,18 @@ def estimate_memory(
                 ram_weights = round(model.expert_params_b * 1e9 * 4 * share)
             else:
                 ram_weights = round(ram_expert_file_bytes * ratio)
-            ram_expert_read = round(ram_weights * model.n_experts_used / model.n_experts)
+            if not 0 <= expert_cache_slots <= model.n_experts:
+                raise ValueError(f"expert_cache_slots must be between 0 and {model.n_experts}")
+            cache = round(ram_expert_file_bytes * expert_cache_slots / model.n_experts)
+            # What the CPU reads when routing is uniform; a trained router's hot experts leave it less.
+            uncached = 1 - expert_cache_slots / model.n_experts
+            ram_expert_read = round(ram_weights * model.n_experts_used / model.n_experts * uncached)
             staging = round(ram_expert_file_bytes * ratio / expert_layers_in_ram)
     state = model.recurrent_state_bytes
     on_gpu = level != "cpu"
     # Every page is read once to upload or repack it; the quantized CPU path holds its repacked copy, not the file.
     reclaimable = 0 if level == "cpu" and not f32 else file_bytes
-    vram = gpu_weights + gpu_overhead + staging + ((kv + state + workspace) if on_gpu else 0)
+    vram = gpu_weights + gpu_overhead + staging + cache + ((kv + state + workspace) if on_gpu else 0)
     ram_required = ram_weights + ram_overhead + (0 if on_gpu else kv + state + workspace)
     estimate = MemoryEstimate(
         level=level,
@@ -250,6 +261,8 @@ def estimate_memory(
         reclaimable_file_bytes=reclaimable,
         ram_expert_bytes_per_token=ram_expert_read,
         expert_staging_bytes=staging,
+        expert_cache_slots=expert_cache_slots if level == "gpu+ram" else 0,
+        expert_cache_bytes=cache,
         vram_bytes=vram,
         ram_bytes=ram_required + reclaimable,
         ram_required_bytes=ram_required,
@@ -276,6 +289,9 @@ def _explain(e: MemoryEstimate, f32: bool) -> str:
     if e.level == "gpu+ram":
         experts = (f" (the experts of {e.expert_layers_in_ram} layers in RAM) + a long prompt's copy of one such "
                    f"layer's experts {gb(e.expert_staging_bytes)}")
+        if e.expert_cache_slots:
+            experts += (f" + the {e.expert_cache_slots} most picked experts of each such layer "
+                        f"{gb(e.expert_cache_bytes)}")
     ram_part = f"RAM: {gb(e.ram_required_bytes)}"
     if e.ram_weights_bytes:
         ram_part += f", of which {gb(e.ram_weights_bytes)} are the experts the CPU computes"
@@ -318,13 +334,27 @@ def _expert_layers_in_ram(model: CatalogModel, context_length: int, engine: Engi
 
 
 def _place(model: CatalogModel, context_length: int, level: Level, engine: EngineProfile, budget: _Budget):
-    layers = None
+    layers, slots = None, 0
     if level == "gpu+ram":
         layers = _expert_layers_in_ram(model, context_length, engine, budget)
         if layers is None:
             return None
-    estimate = estimate_memory(model, context_length, level, engine, expert_layers_in_ram=layers)
+        slots = _expert_cache_slots(model, context_length, engine, budget, layers)
+    estimate = estimate_memory(model, context_length, level, engine, expert_layers_in_ram=layers,
+                               expert_cache_slots=slots)
     return estimate if _fits(estimate, budget) else None
+
+
+def _expert_cache_slots(model: CatalogModel, context_length: int, engine: EngineProfile, budget: _Budget,
+                        layers: int) -> int:
+    """How many of each RAM layer's experts the VRAM that whole layers leave can hold as well (the hot-expert
+    cache; less than a layer's worth, spread over all of them)."""
+    if not engine.hot_expert_cache:
+        return 0
+    left = budget.vram * _FIT_FRACTION - estimate_memory(model, context_length, "gpu+ram", engine,
+                                                         expert_layers_in_ram=layers).vram_bytes
+    per_slot = model.expert_bytes * layers / model.n_layers / model.n_experts  # one expert of each RAM layer
+    return max(0, min(model.n_experts, math.floor(left / per_slot)))
 
 
 def _largest_context(model: CatalogModel, level: Level, engine: EngineProfile, budget: _Budget) -> int | None:
@@ -440,6 +470,9 @@ def _why_fits(e: MemoryEstimate, target: int, budget: _Budget, cpu_speed: float,
             f"so RAM bandwidth sets the speed): {gb(e.vram_bytes)} of VRAM and {gb(e.ram_required_bytes)} of RAM "
             f"with {tokens}"
         )
+        if e.expert_cache_slots:
+            text += (f"; the GPU also holds the {e.expert_cache_slots} experts each of those layers picks most, "
+                     "which it computes itself")
     else:
         where = ""
         if budget.vram > 0:

@@ -53,6 +53,19 @@ TIMING_NOTES = {
 ChatTimings = _timings_model()
 
 
+class ExpertCacheView(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    slots_per_layer: int = Field(description="experts of each layer in RAM the GPU holds as well")
+    layers: int = Field(description="layers in RAM with such slots")
+    device_bytes: int
+    experts_cached: int = Field(description="slots filled so far (the cache fills as tokens are decoded)")
+    picks: int = Field(description="experts picked by decoded tokens in those layers so far")
+    hits: int = Field(description="of those picks, the ones the GPU computed from its cache")
+    recent_hit_rate: float | None = Field(description="the share of the last few dozen tokens' picks the cache served")
+    swaps: int = Field(description="experts copied into the cache so far")
+
+
 class EngineStatus(BaseModel):
     state: EngineState
     model: str | None = None
@@ -61,6 +74,9 @@ class EngineStatus(BaseModel):
     context_length: int | None = None
     expert_layers_in_ram: int | None = Field(
         None, description="MoE layers whose routed experts live in RAM, computed by the CPU (the rest is on the GPU)"
+    )
+    expert_cache: ExpertCacheView | None = Field(
+        None, description="the GPU's cache of the most picked experts of the layers in RAM, and how often it served"
     )
     load_progress: LoadProgressView | None = None
     load_seconds: float | None = None
@@ -95,6 +111,9 @@ def engine_status(slot: EngineSlot, estimate: MemoryEstimate | None = None) -> E
         info = slot.model.info
         status.backend, status.backend_reason, status.context_length = info.backend, info.backend_reason, info.context_length
         status.expert_layers_in_ram = info.expert_layers_in_ram or None
+        cache = slot.model.expert_cache()
+        if cache is not None:
+            status.expert_cache = ExpertCacheView.model_validate(cache)
     if slot.state != "stopped":
         status.memory = memory_report(slot, estimate)
     if slot.last_chat is not None:

@@ -134,9 +134,11 @@ class Runtime:
         return self._log
 
     # -- loading -------------------------------------------------------------------------
-    def start_model(self, model_id: str, device: str, context_length: int | None, expert_layers_in_ram: int = 0) -> None:
+    def start_model(self, model_id: str, device: str, context_length: int | None, expert_layers_in_ram: int = 0,
+                    expert_cache_slots: int = 0) -> None:
         """Begin loading `model_id` on a background thread (replacing nothing: stop first); expert_layers_in_ram: the
-        MoE layers whose experts stay in RAM (the placement choose_model's fit made)."""
+        MoE layers whose experts stay in RAM, expert_cache_slots: how many of each such layer's experts the GPU holds
+        too (the placement choose_model's fit made)."""
         path = self.store.model_path(model_id)
         with self._lock:
             slot = self.slot
@@ -152,12 +154,13 @@ class Runtime:
                 memory_before_load=measure_memory(),
             )
         threading.Thread(
-            target=self._load, args=(slot, path, device, context_length, expert_layers_in_ram), name="engine-load",
+            target=self._load, args=(slot, path, device, context_length, expert_layers_in_ram, expert_cache_slots),
+            name="engine-load",
             daemon=True
         ).start()
 
     def _load(self, slot: EngineSlot, path: Path, device: str, context_length: int | None,
-              expert_layers_in_ram: int) -> None:
+              expert_layers_in_ram: int, expert_cache_slots: int) -> None:
         def on_progress(done: int, total: int, message: str) -> None:
             slot.load = LoadProgress(done, total, message)
 
@@ -165,7 +168,7 @@ class Runtime:
             model = load_model(
                 path, device=device, context_length=context_length,
                 on_progress=on_progress, should_cancel=self._cancel_load.is_set,
-                expert_layers_in_ram=expert_layers_in_ram,
+                expert_layers_in_ram=expert_layers_in_ram, expert_cache_slots=expert_cache_slots,
             )
         except Exception as exc:  # the slot reports it; status and start show the sentence
             with self._lock:
@@ -202,7 +205,8 @@ class Runtime:
         info = slot.model.info
         if info.expert_layers_in_ram:
             return estimate_memory(model, info.context_length, "gpu+ram", engine_profile(),
-                                   expert_layers_in_ram=info.expert_layers_in_ram)
+                                   expert_layers_in_ram=info.expert_layers_in_ram,
+                                   expert_cache_slots=info.expert_cache_slots)
         level = "cpu" if info.backend == "numpy" else "gpu"
         return estimate_memory(model, info.context_length, level, engine_profile())
 

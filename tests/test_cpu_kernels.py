@@ -214,6 +214,30 @@ def test_a_chunk_s_experts_give_the_same_bits_on_a_thread_pool():
         assert np.all(np.abs(one[i] - want) <= 1e-5 * size.max())
 
 
+@pytest.mark.parametrize("n", [1, 3])
+def test_experts_marked_below_zero_are_left_to_the_gpu(n):
+    """An id below 0 is an expert the GPU's cache computes (engine/expert_cache.py): the CPU's mixture is then exactly
+    the sum over the other picks (one token and a chunk), and zero when the GPU holds them all."""
+    rng = np.random.default_rng(13)
+    count, f, d, top_k = 6, 256, 256, 4
+    shapes = {"gate": (T.Q4_K, f, d), "up": (T.Q4_K, f, d), "down": (T.Q6_K, d, f)}
+    held = {name: weights.load(name, _weight(qtype, count * rows, k, rng)[0], qtype, (count, rows, k))
+            for name, (qtype, rows, k) in shapes.items()}
+    x = rng.standard_normal((n, d)).astype(np.float32)
+    ids = np.stack([rng.choice(count, top_k, replace=False) for _ in range(n)]).astype(np.int32)
+    mix = rng.random((n, top_k)).astype(np.float32)
+    marked = ids.copy()
+    marked[:, 1::2] = -1
+    kept = ids[:, ::2].copy()
+    got, want = np.full((n, d), np.nan, np.float32), np.full((n, d), np.nan, np.float32)
+    experts.moe_ffn(x, held["gate"], held["up"], held["down"], marked, mix, got, "silu", 2, 8)
+    experts.moe_ffn(x, held["gate"], held["up"], held["down"], kept, mix[:, ::2].copy(), want, "silu", 2, 8)
+    np.testing.assert_array_equal(got, want)
+    assert np.abs(want).max() > 0
+    experts.moe_ffn(x, held["gate"], held["up"], held["down"], np.full_like(ids, -1), mix, got, "silu", 2, 8)
+    assert not got.any()
+
+
 # Bytes a packed 32-value group takes: the legacy types' float32 scale (and offset); the K-quants' own 8-bit scale
 # (and min) and a share of the float32 super-block scales of every 8 groups (Q4_K: 16 + 1 + 1 + 8 / 8).
 GROUP_BYTES = {T.Q4_0: 24, T.Q4_1: 24, T.Q5_0: 28, T.Q5_1: 28, T.Q8_0: 36, T.Q4_K: 19, T.Q5_K: 23, T.Q6_K: 26.5,

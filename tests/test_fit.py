@@ -135,6 +135,17 @@ def test_a_30b_a3b_on_a_12_gb_card_keeps_the_experts_of_the_fewest_layers_in_ram
     assert fit.memory.vram_bytes <= budget
     assert estimate_memory(model, 8192, "gpu+ram", REAL, expert_layers_in_ram=layers - 1).vram_bytes > budget
     assert f"with the experts of {layers} of its layers in RAM" in fit.reason
+    # What the whole layers leave of the card holds each RAM layer's most picked experts: as many as fit.
+    slots = fit.memory.expert_cache_slots
+    assert slots > 0 and f"the GPU also holds the {slots} experts each of those layers picks most" in fit.reason
+    one_more = estimate_memory(model, 8192, "gpu+ram", REAL, expert_layers_in_ram=layers, expert_cache_slots=slots + 1)
+    assert one_more.vram_bytes > budget
+    assert fit.memory.expert_cache_bytes == round(model.expert_bytes * layers / 48 * slots / 128)
+    uncached = estimate_memory(model, 8192, "gpu+ram", REAL, expert_layers_in_ram=layers)
+    assert fit.memory.ram_expert_bytes_per_token == round(uncached.ram_expert_bytes_per_token * (1 - slots / 128))
+    without = fit_model(model, pc(64, 58, [("RTX 3060", 12, 11.5)]), prefs,
+                        REAL.model_copy(update={"hot_expert_cache": False}))
+    assert without.memory.expert_cache_slots == 0 and without.memory.expert_layers_in_ram == layers
     small = fit_model(model, pc(16, 12, [("GT 1030", 2, 1.2)]), prefs, REAL)
     assert small.level == "none" and "of RAM with its experts in RAM" in small.reason
 
@@ -369,9 +380,9 @@ def test_start_loads_with_the_fits_placement(monkeypatch, tmp_path):
     monkeypatch.setattr(start, "probe", lambda *args: pc(64, 58, [("RTX 4090", 24, 23.5)]))
     runtime = SimpleNamespace(store=SimpleNamespace(data_dir=tmp_path))
     coder = "qwen3-coder-30b-a3b-instruct"
-    assert start._fitted(runtime, coder, start.StartInput(model=coder)) == ("auto", 8192, 0)  # it fits the card
-    device, context, layers = start._fitted(runtime, coder, start.StartInput(model=coder, vram_gb=11.5))
-    assert (device, context) == ("auto", 8192) and layers == 23  # as choose_model's 12 GB card row says
+    assert start._fitted(runtime, coder, start.StartInput(model=coder)) == ("auto", 8192, 0, 0)  # it fits the card
+    device, context, layers, slots = start._fitted(runtime, coder, start.StartInput(model=coder, vram_gb=11.5))
+    assert (device, context) == ("auto", 8192) and layers == 23 and slots == 3  # as choose_model's 12 GB card row says
     monkeypatch.setattr(start, "probe", lambda *args: pc(16, 12, [("RTX 4090", 24, 23.5)]))
     with pytest.raises(UserError, match="does not fit in 0.5 GB of GPU memory"):
         start._fitted(runtime, coder, start.StartInput(model=coder, vram_gb=0.5))

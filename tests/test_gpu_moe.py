@@ -174,53 +174,93 @@ def test_moe_ffn_decode_replays_in_a_graph_with_new_expert_ids():
     backend.close()
 
 
-def test_experts_in_ram_give_the_all_gpu_model_s_tokens(tmp_path):
-    """A qwen3moe model in llama.cpp's Q4_K_M mix (bench/make_synthetic_gguf.py, random weights) loaded all on the GPU
-    and with the experts of some or all of its layers in RAM, computed by the CPU (a prompt chunk on float32 rows, a
-    decoded token on int8 activations as on the GPU): a 40-token prompt's logits within 1e-2 of the logit range, and 16 greedy tokens (decode through the
-    captured graph with its host calls) identical, or first differing where the all-GPU model's top two logits are
-    within 0.05. Reports what the load placed in RAM."""
+TINY_MOE = dict(arch="qwen3moe", hidden=256, layers=4, ffn=256, heads=4, kv_heads=2, head_dim=64, vocab=300,
+                tied=False, experts=16, experts_used=4, context=512)
+
+
+def tiny_moe(tmp_path, router_skew=0.0):
+    """A qwen3moe model in llama.cpp's Q4_K_M mix (bench/make_synthetic_gguf.py, random weights)."""
     import sys
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from bench.make_synthetic_gguf import type_mix, write_model
+
+    path = tmp_path / f"tiny-moe-{router_skew}.gguf"
+    write_model(path, TINY_MOE, type_mix("Q4_K_M"), "tiny-moe", seed=3, router_skew=router_skew)
+    return path
+
+
+def greedy_run(path, prompt, tokens, **load):
+    """The prompt's logits, `tokens` greedy tokens (decode through the captured graph) and the loaded model's info
+    and expert cache's state."""
     from engine import GenerationSettings, load_model
     from engine.generate import decode_one_token, prefill
 
-    path = tmp_path / "tiny-moe.gguf"
-    shape = dict(arch="qwen3moe", hidden=256, layers=4, ffn=256, heads=4, kv_heads=2, head_dim=64, vocab=300,
-                 tied=False, experts=16, experts_used=4, context=512)
-    write_model(path, shape, type_mix("Q4_K_M"), "tiny-moe", seed=3)
     greedy = GenerationSettings(temperature=0.0).sampling()
+    model = load_model(path, device="cuda", context_length=128, **load)
+    state, none = model._state, np.zeros(0, np.int32)
+    logits, _ = prefill(state, prompt)
+    first = state.backend.to_host(logits)
+    out = [state.backend.sample(logits, greedy, none, 0.0)]
+    for _ in range(tokens - 1):
+        out.append(state.backend.sample(decode_one_token(state, out[-1]), greedy, none, 0.0))
+    info, cache = model.info, model.expert_cache()
+    model.close()
+    return first, out, info, cache
+
+
+def assert_same_or_tied(path, prompt, tokens, base_tokens):
+    """tokens equal base_tokens, or first differ where the all-GPU model's top two logits are within 0.05."""
+    from engine import load_model
+
+    if tokens == base_tokens:
+        return
+    first = next(i for i, (a, b) in enumerate(zip(tokens, base_tokens)) if a != b)
+    model = load_model(path, device="cuda", context_length=128)
+    top2 = np.sort(model.prompt_logits(prompt + base_tokens[:first])[0])[-2:]
+    model.close()
+    assert top2[1] - top2[0] < 0.05, f"differs at token {first}"
+
+
+def test_experts_in_ram_give_the_all_gpu_model_s_tokens(tmp_path):
+    """The tiny mixture loaded all on the GPU and with the experts of some or all of its layers in RAM, computed by
+    the CPU (a prompt chunk on float32 rows, a decoded token on int8 activations as on the GPU): a 40-token prompt's
+    logits within 1e-2 of the logit range, and 16 greedy tokens (decode through the captured graph with its host
+    calls) identical, or first differing where the all-GPU model's top two logits are within 0.05. Reports what the
+    load placed in RAM."""
+    path = tiny_moe(tmp_path)
     prompt = np.random.default_rng(4).integers(2, 300, 40).tolist()
-
-    def run(layers_in_ram):
-        model = load_model(path, device="cuda", context_length=128, expert_layers_in_ram=layers_in_ram)
-        state, none = model._state, np.zeros(0, np.int32)
-        logits, _ = prefill(state, prompt)
-        first = state.backend.to_host(logits)
-        tokens = [state.backend.sample(logits, greedy, none, 0.0)]
-        for _ in range(15):
-            tokens.append(state.backend.sample(decode_one_token(state, tokens[-1]), greedy, none, 0.0))
-        info = model.info
-        model.close()
-        return first, tokens, info
-
-    base, base_tokens, _ = run(0)
+    base, base_tokens, _, _ = greedy_run(path, prompt, 16)
     for layers in (2, 4):
-        logits, tokens, info = run(layers)
+        logits, tokens, info, _ = greedy_run(path, prompt, 16, expert_layers_in_ram=layers)
         assert info.expert_layers_in_ram == layers and info.host_weight_bytes > 0
         error = float(np.abs(logits - base).max() / np.ptp(base))
         print(f"{layers} of 4 layers' experts in RAM ({info.host_weight_bytes} bytes): prompt logits differ by "
               f"{error:.2e} of the range; greedy {'identical' if tokens == base_tokens else 'differs'}")
         assert error < 1e-2
-        if tokens != base_tokens:
-            first = next(i for i, (a, b) in enumerate(zip(tokens, base_tokens)) if a != b)
-            model = load_model(path, device="cuda", context_length=128)
-            top2 = np.sort(model.prompt_logits(prompt + base_tokens[:first])[0])[-2:]
-            model.close()
-            assert top2[1] - top2[0] < 0.05, f"differs at token {first}"
+        assert_same_or_tied(path, prompt, tokens, base_tokens)
+
+
+@pytest.mark.parametrize("slots", [5, 16])
+def test_the_hot_expert_cache_fills_serves_and_keeps_the_tokens(tmp_path, monkeypatch, slots):
+    """Experts in RAM with GPU slots for each layer's most picked (engine/expert_cache.py), refreshed every step so
+    the cache fills and swaps within the run (skewed routing): 48 greedy tokens equal the all-GPU model's (or first
+    differ at a near tie), the cache holds experts and served picks, and with a slot for every expert it served at
+    least three quarters of the last window's picks (all but those of experts first picked then)."""
+    from engine import expert_cache
+
+    monkeypatch.setattr(expert_cache, "REFRESH_STEPS", 1)
+    path = tiny_moe(tmp_path, router_skew=2.0)
+    prompt = np.random.default_rng(5).integers(2, 300, 24).tolist()
+    _, base_tokens, _, _ = greedy_run(path, prompt, 48)
+    _, tokens, info, cache = greedy_run(path, prompt, 48, expert_layers_in_ram=4, expert_cache_slots=slots)
+    print(f"{slots} slots a layer: {cache}; greedy {'identical' if tokens == base_tokens else 'differs'}")
+    assert info.expert_cache_slots == slots and cache.layers == 4 and cache.device_bytes > 0
+    assert cache.swaps > 0 and 0 < cache.experts_cached <= 4 * slots and 0 < cache.hits < cache.picks
+    if slots == 16:  # every expert picked so far has a slot once its copy is mapped; only newcomers miss
+        assert cache.recent_hit_rate >= 0.75
+    assert_same_or_tied(path, prompt, tokens, base_tokens)
 
 
 def test_a_failing_host_call_is_raised_where_the_stream_is_waited_for():

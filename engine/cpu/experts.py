@@ -23,11 +23,16 @@ from engine.cpu.weights import CpuWeight, activation_for, product
 def moe_ffn(x: np.ndarray, gate: CpuWeight, up: CpuWeight, down: CpuWeight, ids: np.ndarray, weights: np.ndarray,
             out: np.ndarray, activation: str, threads: int | None = None, bits: int = 16) -> None:
     """out (n, d) = for each token, sum_j weights[i, j] * down[e] @ (act(gate[e] @ x[i]) * (up[e] @ x[i])), e =
-    ids[i, j] (the contract of Backend.moe_ffn); `threads` for the one-token products (default products.threads()),
-    which round their activations to `bits` (16, or 8 as the GPU backend's kernels do; engine/cpu/dot.py)."""
+    ids[i, j] (the contract of Backend.moe_ffn), where an id below 0 (an expert the GPU computes) adds nothing;
+    `threads` for the one-token products (default products.threads()), which round their activations to `bits` (16,
+    or 8 as the GPU backend's kernels do; engine/cpu/dot.py)."""
     threads = threads or products.threads()
     if x.shape[0] == 1 and all(w.planes is not None for w in (gate, up, down)):
-        _one_token(x[0], gate, up, down, ids[0], weights[0], out[0], activation, threads, bits)
+        mine = ids[0] >= 0
+        if not mine.any():
+            out[...] = 0
+        else:
+            _one_token(x[0], gate, up, down, ids[0][mine], weights[0][mine], out[0], activation, threads, bits)
         return
     f, d = gate.shape[1], down.shape[1]
 
@@ -43,7 +48,7 @@ def moe_ffn(x: np.ndarray, gate: CpuWeight, up: CpuWeight, down: CpuWeight, ids:
         product(down, hidden, down_out, expert * d, (expert + 1) * d)
         return rows, down_out * weights[rows, slots, None]
 
-    chosen = np.unique(ids).tolist()
+    chosen = np.unique(ids[ids >= 0]).tolist()
     if threads > 1 and len(chosen) > 1:
         # Experts in parallel, each on one BLAS thread: their products are small, their dequantization is the work.
         with blas_threads(1):

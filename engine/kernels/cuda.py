@@ -769,3 +769,29 @@ def host_call(state: np.ndarray, job: int) -> None:
     """Announce job `job` in `state` (page-locked, engine/kernels/host_calls.py) and hold the stream until the host
     answers. Launched plainly, never as a programmatic launch: nothing may start before the call is answered."""
     kernel("host_call", "host_call")((1,), (1,), (np.uintp(state.ctypes.data), i64(job)))
+
+
+def host_call_post(state: np.ndarray, job: int) -> None:
+    """Announce job `job` without waiting; the stream's next work runs beside the host's (host_call_wait ends it)."""
+    kernel("host_call", "host_call_post")((1,), (1,), (np.uintp(state.ctypes.data), i64(job)))
+
+
+def host_call_wait(state: np.ndarray) -> None:
+    """Hold the stream until the host answers the call posted last (launched plainly, as host_call)."""
+    kernel("host_call", "host_call_wait")((1,), (1,), (np.uintp(state.ctypes.data),))
+
+
+def add_host_answer(out: Any, answer: np.ndarray, add: bool) -> None:
+    """out (+)= answer, a page-locked float32 array the size of out the GPU reads over the bus."""
+    launch("host_call", "add_host_answer", (_blocks(out.size, 256),), (256,),
+           (out, np.uintp(answer.ctypes.data), i32(out.size), i32(1 if add else 0)))
+
+
+def moe_cache_ids(ids: Any, weights: Any, slot_of: Any, slots: Any, host_ids: np.ndarray, host_weights: np.ndarray,
+                  uses: Any) -> None:
+    """One token's picks ids/weights (1, top_k) split by the cache map slot_of (n_experts,): slots (top_k,) for the
+    GPU, host_ids/host_weights (page-locked, top_k) for the CPU, uses (n_experts + 1,) counted."""
+    top_k = ids.size
+    launch("sampling", "moe_cache_ids", (1,), (32,),
+           (ids, weights, slot_of, i32(top_k), i32(slot_of.size), slots, np.uintp(host_ids.ctypes.data),
+            np.uintp(host_weights.ctypes.data), uses))

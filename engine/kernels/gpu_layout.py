@@ -36,9 +36,11 @@ FP16_SCALES: dict[T, tuple[int, int]] = {**{t: f["d"] for t, f in PLANES.items()
 def _q4_k_by_sub_block(q: np.ndarray) -> np.ndarray:
     """(n, 128) Q4_K quant bytes, where the 32 bytes of pair p hold sub-block 2p in their low nibbles and 2p + 1
     in their high nibbles, to 16 bytes a sub-block: weight i in the low nibble of byte i, i + 16 in the high."""
-    pairs = q.reshape(-1, 4, 1, 32)
-    subs = np.concatenate([pairs & 0xF, pairs >> 4], axis=2).reshape(-1, 8, 32)
-    return (subs[:, :, :16] | (subs[:, :, 16:] << 4)).reshape(-1, 128)
+    pairs = q.reshape(-1, 4, 32)
+    out = np.empty((pairs.shape[0], 4, 2, 16), np.uint8)
+    for half, sub in enumerate((pairs & 0xF, pairs >> 4)):
+        out[:, :, half] = sub[:, :, :16] | (sub[:, :, 16:] << 4)
+    return out.reshape(-1, 128)
 
 
 def _q4_k_by_pair(q: np.ndarray) -> np.ndarray:

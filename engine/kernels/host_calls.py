@@ -146,12 +146,24 @@ class HostCalls:
     def launch(self, key: object, job: Callable[[], None]) -> None:
         """Queue `job` on the current stream; the same key reuses the job registered first (a graph keeps calling
         it)."""
+        cuda.host_call(self._state, self._registered(key, job))
+
+    def post(self, key: object, job: Callable[[], None]) -> None:
+        """Queue the start of `job` (as launch) without holding the stream: the GPU work queued next runs beside
+        it, until `wait`."""
+        cuda.host_call_post(self._state, self._registered(key, job))
+
+    def wait(self) -> None:
+        """Hold the stream until the job posted last is done."""
+        cuda.host_call_wait(self._state)
+
+    def _registered(self, key: object, job: Callable[[], None]) -> int:
         index = self._index.get(key)
         if index is None:
             index = self._index[key] = len(self._jobs)
             self._jobs.append(job)
         self.arm()
-        cuda.host_call(self._state, index)
+        return index
 
     def check(self) -> None:
         """Raise the first exception a job raised since the last check."""

@@ -309,6 +309,8 @@ FOR_EACH_FLOAT(MATVEC_F)
 // Mixture of experts: each token's chosen experts only, read from the stacked ffn_*_exps tensors, where expert
 // e's matrix is rows [e * rows_per_expert, (e + 1) * rows_per_expert) of one (n_experts * rows, k) weight. The
 // expert ids are read on the device (from moe_route), so a decode step stays one graph with no host sync.
+// An id below 0 marks an expert computed elsewhere (the CPU, for a layer whose experts live in RAM and are only
+// partly cached on the GPU: engine/expert_cache.py); it adds nothing.
 // A "dot" (float weights) is one warp's product of weight row `row` with activation row `xrow`: `partial` is this
 // lane's share, the call the warp's sum in every lane.
 template <class W>
@@ -338,9 +340,9 @@ template <class D>
 __device__ __forceinline__ void moe_gate_up(const D& gate, const D& up, const int* __restrict__ ids, int top_k,
                                             float* __restrict__ hidden, int f, int act) {
     const int slot = blockIdx.y;
-    const int r = blockIdx.x * 4 + threadIdx.x / 32;
-    if (r >= f) return;
-    const long row = (long)__ldg(ids + slot) * f + r;
+    const int r = blockIdx.x * 4 + threadIdx.x / 32, e = __ldg(ids + slot);
+    if (r >= f || e < 0) return;
+    const long row = (long)e * f + r;
     const float g = gate(row, slot / top_k), u = up(row, slot / top_k);
     if ((threadIdx.x & 31) == 0) hidden[(long)slot * f + r] = activate(g, act) * u;
 }
@@ -359,7 +361,8 @@ __device__ __forceinline__ void moe_down(const D& down, const int* __restrict__ 
 #pragma unroll 4
     for (int j = 0; j < top_k; ++j) {
         const long slot = (long)token * top_k + j;
-        total += __ldg(weights + slot) * down.partial((long)__ldg(ids + slot) * d + r, slot);
+        const int e = __ldg(ids + slot);
+        if (e >= 0) total += __ldg(weights + slot) * down.partial((long)e * d + r, slot);
     }
     total = warp_sum(total);
     if ((threadIdx.x & 31) == 0) out[(long)token * d + r] = total;
@@ -374,11 +377,11 @@ __device__ __forceinline__ void moe_gate_up_q(const Planes (&w)[2], const signed
                                               const signed char* __restrict__ xq2, const float2* __restrict__ xds,
                                               const int* __restrict__ ids, int top_k, float* __restrict__ hidden,
                                               int f, int k, int act) {
-    const int slot = blockIdx.y, r = blockIdx.x * 4 + threadIdx.x / 32;
-    if (r >= f) return;
+    const int slot = blockIdx.y, r = blockIdx.x * 4 + threadIdx.x / 32, e = __ldg(ids + slot);
+    if (r >= f || e < 0) return;
     const long g0 = (long)(slot / top_k) * (k / 32);
     float acc[2] = {0.0f, 0.0f};
-    row_dots<B, 2, 1>(w, __ldg(ids + slot) * f + r, f, k, threadIdx.x & 31, 32, xq + 32 * g0, xq2 + 32 * g0,
+    row_dots<B, 2, 1>(w, e * f + r, f, k, threadIdx.x & 31, 32, xq + 32 * g0, xq2 + 32 * g0,
                       xds + g0, acc);
     const float g = warp_sum(acc[0]), u = warp_sum(acc[1]);
     if ((threadIdx.x & 31) == 0) hidden[(long)slot * f + r] = activate(g, act) * u;
@@ -397,9 +400,11 @@ __device__ __forceinline__ void moe_down_q(const Planes& w, const signed char* _
     for (int i = threadIdx.x & 31; i < top_k * n_groups; i += 32) {
         const int j = i / n_groups, g = i % n_groups;
         const long slot = (long)token * top_k + j, gx = slot * n_groups + g;
+        const int e = __ldg(ids + slot);
+        if (e < 0) continue;
         int q[8];
         float sc[2], mn;
-        decode_group<B>(w, (long)__ldg(ids + slot) * d + r, f, g, q, sc, mn);
+        decode_group<B>(w, (long)e * d + r, f, g, q, sc, mn);
         const int4 xv[4] = {__ldg(reinterpret_cast<const int4*>(xq + 32 * gx)),
                             __ldg(reinterpret_cast<const int4*>(xq + 32 * gx + 16)),
                             __ldg(reinterpret_cast<const int4*>(xq2 + 32 * gx)),

@@ -249,3 +249,24 @@ extern "C" __global__ void moe_route(const float* __restrict__ logits, int n_tok
     if (lane == 0 && normalize)
         for (int j = 0; j < top_k; ++j) weights_out[token * top_k + j] /= picked;
 }
+
+// One token's chosen experts of a layer whose experts live in RAM, some cached on the GPU (engine/expert_cache.py):
+// slot_of[e] is expert e's slot in the layer's cache or -1. The GPU computes the cached ones (slots, -1 for the
+// others); the host the rest, from page-locked memory this writes directly (host_ids, -1 for the cached ones, and
+// the routing weights). uses[e] counts expert e's picks and uses[n_experts] the picks the cache held. One thread a
+// pick.
+extern "C" __global__ void moe_cache_ids(const int* __restrict__ ids, const float* __restrict__ weights,
+                                         const int* __restrict__ slot_of, int top_k, int n_experts,
+                                         int* __restrict__ slots, volatile int* host_ids, volatile float* host_weights,
+                                         unsigned* __restrict__ uses) {
+    grid_dependency_sync();
+    const int j = threadIdx.x;
+    if (j >= top_k) return;
+    const int e = ids[j], s = slot_of[e];
+    slots[j] = s;
+    host_ids[j] = s < 0 ? e : -1;
+    host_weights[j] = weights[j];
+    atomicAdd(uses + e, 1u);
+    if (s >= 0) atomicAdd(uses + n_experts, 1u);
+    __threadfence_system();  // the host's share is in its memory before the host call that hands it over
+}

@@ -57,27 +57,29 @@ def _pick_model(runtime: Runtime, requested: str | None) -> str:
     raise UserError(f"Several models are installed ({', '.join(installed)}); pass model to say which to start.")
 
 
-def _fitted(runtime: Runtime, model_id: str, args: StartInput) -> tuple[str, int | None, int]:
-    """The device, context and experts placement choose_model's fit picks for this model on this PC (within vram_gb
-    when given), so the two agree; the engine's defaults for a model the catalog does not know."""
+def _fitted(runtime: Runtime, model_id: str, args: StartInput) -> tuple[str, int | None, int, int]:
+    """The device, context and experts placement (layers in RAM, cache slots) choose_model's fit picks for this
+    model on this PC (within vram_gb when given), so the two agree; the engine's defaults for a model the catalog
+    does not know."""
     try:
         model = get_model(model_id)
     except UnknownModelError:  # installed from a catalog that is no longer configured
-        return args.device, args.context_length, 0
+        return args.device, args.context_length, 0, 0
     vram = 0 if args.device == "cpu" else None if args.vram_gb is None else round(args.vram_gb * GIB)
     prefs = Preferences(context_length=args.context_length, vram_bytes_override=vram)
     fit = fit_model(model, probe(runtime.store.data_dir, engine_profile()), prefs, engine_profile())
     if fit.level == "none" and args.vram_gb is not None:
         raise UserError(f"{model_id} does not fit in {args.vram_gb:g} GB of GPU memory on this PC: {fit.reason}")
     device = "cpu" if fit.level == "cpu" and args.device == "auto" and args.vram_gb is not None else args.device
-    layers = fit.memory.expert_layers_in_ram if fit.level == "gpu+ram" and fit.memory else 0
-    return device, args.context_length or fit.context_length, layers or 0
+    split = fit.level == "gpu+ram" and fit.memory is not None
+    layers, slots = (fit.memory.expert_layers_in_ram, fit.memory.expert_cache_slots) if split else (0, 0)
+    return device, args.context_length or fit.context_length, layers or 0, slots
 
 
 def run(runtime: Runtime, args: StartInput, reporter: Reporter) -> StartOutput:
     model_id = _pick_model(runtime, args.model)
-    device, context, layers_in_ram = _fitted(runtime, model_id, args)
-    runtime.start_model(model_id, device, context, layers_in_ram)
+    device, context, layers_in_ram, cache_slots = _fitted(runtime, model_id, args)
+    runtime.start_model(model_id, device, context, layers_in_ram, cache_slots)
     slot = runtime.wait_until_loaded(args.wait_seconds, reporter.cancelled, reporter.progress)
     status = engine_status(slot, runtime.memory_estimate(slot))
     if slot.state in ("ready", "busy"):
@@ -86,7 +88,10 @@ def run(runtime: Runtime, args: StartInput, reporter: Reporter) -> StartOutput:
             f"loaded in {slot.load_seconds:.1f} s; next: chat."
         )
         if status.expert_layers_in_ram:
-            summary += f" The experts of {status.expert_layers_in_ram} layers are in RAM, computed by the CPU."
+            summary += f" The experts of {status.expert_layers_in_ram} layers are in RAM, computed by the CPU"
+            cache = status.expert_cache
+            summary += (f"; the GPU holds the {cache.slots_per_layer} most picked of each such layer as well."
+                        if cache is not None and cache.slots_per_layer else ".")
     elif slot.state == "loading":
         where = f" ({slot.load.message})" if slot.load.message else ""
         summary = f"{model_id} is still loading{where}; call status or start again to follow it."
@@ -107,8 +112,8 @@ SPEC = ToolSpec(
         "wait_seconds, reporting progress; returns 'ready' or 'loading' (call start again to follow a load). "
         "model may be left out only when exactly one model is installed. One model is loaded at a time: stop the "
         "current one first to switch. Says which backend was chosen and why. A mixture of experts that does not fit "
-        "the GPU (or vram_gb) keeps the experts of some layers in RAM, computed by the CPU: the engine status says "
-        "how many (expert_layers_in_ram)."
+        "the GPU (or vram_gb) keeps the experts of some layers in RAM, computed by the CPU, and fills the VRAM left with "
+        "the experts those layers pick most: the engine status says how many (expert_layers_in_ram, expert_cache)."
     ),
     input_model=StartInput,
     output_model=StartOutput,
