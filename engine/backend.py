@@ -10,7 +10,8 @@ Conventions every backend follows:
   chunk; a chunk of n tokens uses views `buf[:n]`. Nothing in an op allocates memory the caller sees, so
   the GPU backend can capture one decode step in a CUDA graph and replay it (`compile_step`).
 - Dtypes. Activations, norm weights and logits are float32. Token ids and positions are int32. The KV
-  cache dtype is the backend's choice (float16 on the GPU, float32 on the CPU); ops convert on write/read.
+  cache dtype is the backend's choice (float16 on the GPU, float32 on the CPU) or q8_0 when asked for (half the
+  GPU's bytes); ops convert on write/read.
 - Shapes are written in row-major (NumPy) order. A weight W of shape (m, k) is GGUF's ne = [k, m]: each of
   its m rows holds k values and `linear` computes x @ W.T.
 - Positions come in as a backend array `start` of shape (1,) int32: the position of the first token of the
@@ -118,24 +119,39 @@ class RopeTable:
         return int(self.cos.nbytes + self.sin.nbytes)
 
 
+# The KV cache's element types: "full" is fp16 on the GPU and float32 on the CPU; "q8_0" keeps each 32 values of a
+# row as int8 under an fp16 scale (GGUF's Q8_0 block: 34 bytes for 32 values), about half the GPU's bytes.
+KV_CACHE_TYPES = ("full", "q8_0")
+Q8_0_GROUP = 32
+
+
 @dataclass
 class KVCache:
     """Keys and values of every layer, made by `Backend.kv_cache`.
 
-    Layout: `k` and `v` have shape (n_layers, n_kv_heads, max_tokens, head_dim) and the backend's cache dtype.
-    Only `rope_attention` writes and reads them; the positions in use are the caller's
-    bookkeeping (the cache does not know its own length).
+    Layout: `k` and `v` have shape (n_layers, n_kv_heads, max_tokens, head_dim) and the backend's cache dtype, or
+    int8 for a q8_0 cache, whose `k_scale` and `v_scale` (n_layers, n_kv_heads, max_tokens, head_dim / 32) float16
+    hold each 32 values' scale: the cache holds q * scale, as `reference.quantize_q8_0` rounds. Only
+    `rope_attention` writes and reads them; the positions in use are the caller's bookkeeping (the cache does not
+    know its own length).
     """
 
     k: Array
     v: Array
+    k_scale: Array | None = None
+    v_scale: Array | None = None
 
     n_layers = property(lambda self: self.k.shape[0])
     n_kv_heads = property(lambda self: self.k.shape[1])
     max_tokens = property(lambda self: self.k.shape[2])
     head_dim = property(lambda self: self.k.shape[3])
     dtype = property(lambda self: np.dtype(self.k.dtype))
-    nbytes = property(lambda self: int(self.k.nbytes + self.v.nbytes))
+    kind = property(lambda self: "q8_0" if self.k_scale is not None else "full")
+
+    @property
+    def nbytes(self) -> int:
+        scales = 0 if self.k_scale is None else self.k_scale.nbytes + self.v_scale.nbytes
+        return int(self.k.nbytes + self.v.nbytes + scales)
 
 
 class Backend(Protocol):
@@ -175,8 +191,8 @@ class Backend(Protocol):
         cos and sin of it, each multiplied by attn_factor. `inv_freq` is float32 (rot_dim/2,), computed by
         the architecture (it folds in base, any rope_freqs tensor or frequency scaling)."""
 
-    def kv_cache(self, n_layers: int, n_kv_heads: int, head_dim: int, max_tokens: int) -> KVCache:
-        """Allocate the KV cache (see `KVCache` for the layout)."""
+    def kv_cache(self, n_layers: int, n_kv_heads: int, head_dim: int, max_tokens: int, kind: str = "full") -> KVCache:
+        """Allocate the KV cache (see `KVCache` for the layout); kind is one of KV_CACHE_TYPES."""
 
     def memory_in_use(self) -> MemoryInUse:
         """What this backend's uploads, caches and workspaces hold."""

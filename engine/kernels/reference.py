@@ -134,14 +134,39 @@ def rope_store_kv(
     k_cache: np.ndarray,
     v_cache: np.ndarray,
     start: int,
+    k_scale: np.ndarray | None = None,
+    v_scale: np.ndarray | None = None,
 ) -> None:
-    """k_cache, v_cache: one layer's (n_kv_heads, max_tokens, head_dim)."""
+    """k_cache, v_cache: one layer's (n_kv_heads, max_tokens, head_dim); a q8_0 cache's int8 ones with their scales
+    k_scale, v_scale (n_kv_heads, max_tokens, head_dim / 32) get k and v rounded by quantize_q8_0."""
     n = q.shape[0]
     c, s = cos[start : start + n], sin[start : start + n]
     rotate(q, c, s, style)
     rotate(k, c, s, style)
-    k_cache[:, start : start + n, :] = k.transpose(1, 0, 2)
-    v_cache[:, start : start + n, :] = v.transpose(1, 0, 2)
+    for x, cache, scales in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        rows = x.transpose(1, 0, 2)
+        if scales is None:
+            cache[:, start : start + n, :] = rows
+        else:
+            cache[:, start : start + n, :], scales[:, start : start + n, :] = quantize_q8_0(rows)
+
+
+def quantize_q8_0(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A q8_0 KV cache's rounding (GGUF's Q8_0, as gguf.quants quantizes it): per 32 values d = amax / 127,
+    q = x / d rounded half away from zero, d kept as fp16. x: (..., k) float32, k a multiple of 32 -> q (..., k)
+    int8 and d (..., k / 32) float16; the cache then holds q * d."""
+    groups = x.reshape(-1, 32).astype(np.float32, copy=False)
+    d = np.abs(groups).max(axis=1, keepdims=True) / np.float32(127)
+    with np.errstate(divide="ignore"):
+        inv = np.where(d == 0, np.float32(0), np.float32(1) / d).astype(np.float32)
+    scaled = groups * inv
+    q = np.sign(scaled) * np.floor(np.abs(scaled) + np.float32(0.5))
+    return q.astype(np.int8).reshape(x.shape), d.astype(np.float16).reshape(x.shape[:-1] + (x.shape[-1] // 32,))
+
+
+def dequantize_q8_0(q: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """The float32 values a q8_0 cache holds: q (..., k) int8 times its group's scale d (..., k / 32)."""
+    return (q.reshape(d.shape + (32,)).astype(np.float32) * d.astype(np.float32)[..., None]).reshape(q.shape)
 
 
 def attention(
