@@ -12,7 +12,7 @@ from typing import Any, Callable
 import numpy as np
 
 from engine import quants
-from engine.backend import ROPE_NEOX, KVCache, MemoryInUse, RopeTable, SamplingParams
+from engine.backend import KV_CACHE_TYPES, Q8_0_GROUP, ROPE_NEOX, KVCache, MemoryInUse, RopeTable, SamplingParams
 from engine.capabilities import CPU_KV_DTYPE
 from engine.cpu import experts, ops
 from engine.cpu.blas import blas_threads
@@ -63,9 +63,18 @@ class NumpyBackend:
     def rope_table(self, inv_freq: np.ndarray, max_positions: int, attn_factor: float = 1.0) -> RopeTable:
         return self._hold(RopeTable(*reference.rope_tables(inv_freq, max_positions, attn_factor)))
 
-    def kv_cache(self, n_layers: int, n_kv_heads: int, head_dim: int, max_tokens: int) -> KVCache:
+    def kv_cache(self, n_layers: int, n_kv_heads: int, head_dim: int, max_tokens: int, kind: str = "full") -> KVCache:
         shape = (n_layers, n_kv_heads, max_tokens, head_dim)
-        return self._hold(KVCache(np.zeros(shape, self.kv_dtype), np.zeros(shape, self.kv_dtype)))
+        if kind == "full":
+            return self._hold(KVCache(np.zeros(shape, self.kv_dtype), np.zeros(shape, self.kv_dtype)))
+        if kind != "q8_0":
+            raise EngineError(f"The KV cache type must be one of {', '.join(KV_CACHE_TYPES)}, not {kind!r}.")
+        if head_dim % Q8_0_GROUP:
+            raise EngineError(f"A q8_0 KV cache needs a head size that is a multiple of {Q8_0_GROUP}, not "
+                              f"{head_dim}; use the full KV cache.")
+        scales = shape[:3] + (head_dim // Q8_0_GROUP,)
+        return self._hold(KVCache(np.zeros(shape, np.int8), np.zeros(shape, np.int8),
+                                  np.zeros(scales, np.float16), np.zeros(scales, np.float16)))
 
     def memory_in_use(self) -> MemoryInUse:
         return MemoryInUse(host_bytes=sum(int(obj.nbytes) for obj in self._held))
@@ -124,10 +133,17 @@ class NumpyBackend:
     def rope_attention(self, q, k, v, rope: RopeTable, style: str, cache: KVCache, layer: int, start, out,
                        scale: float, window: int = 0) -> None:
         kc, vc, p = cache.k[layer], cache.v[layer], int(start[0])
+        ks, vs = (None, None) if cache.k_scale is None else (cache.k_scale[layer], cache.v_scale[layer])
         if q.shape[0] == 1:
-            ops.rope_attention_one(q, k, v, rope.cos, rope.sin, style == ROPE_NEOX, kc, vc, p, out, scale, window)
+            bits = (None, None) if ks is None else (ks.view(np.uint16), vs.view(np.uint16))  # numba has no float16
+            ops.rope_attention_one(q, k, v, rope.cos, rope.sin, style == ROPE_NEOX, kc, vc, p, out, scale, window,
+                                   *bits)
             return
-        reference.rope_store_kv(q, k, v, rope.cos, rope.sin, style, kc, vc, p)
+        reference.rope_store_kv(q, k, v, rope.cos, rope.sin, style, kc, vc, p, ks, vs)
+        if ks is not None:  # attend over what the cache holds
+            length = p + q.shape[0]
+            kc = reference.dequantize_q8_0(kc[:, :length], ks[:, :length])
+            vc = reference.dequantize_q8_0(vc[:, :length], vs[:, :length])
         reference.attention(q, kc, vc, p, out, scale, window)
 
     def causal_conv_silu(self, x, weight: CpuWeight, state, out) -> None:

@@ -13,7 +13,7 @@ import psutil
 
 from engine.arch import architecture_module
 from engine.arch.parts import MOE, MOE_SHARED, DecoderConfig
-from engine.backend import Backend, ExpertCacheStats, MemoryInUse
+from engine.backend import KV_CACHE_TYPES, Backend, ExpertCacheStats, MemoryInUse
 from engine.backend_numpy import NumpyBackend
 from engine.capabilities import DEFAULT_CONTEXT, MAX_PROMPT_CHUNK
 from engine.chat_template import ChatTemplate
@@ -40,6 +40,7 @@ class ModelInfo:
     backend: str  # "numpy" or "cupy"
     backend_reason: str
     weight_bytes: int
+    kv_cache_type: str  # one of engine.backend.KV_CACHE_TYPES
     kv_cache_bytes: int
     expert_layers_in_ram: int  # MoE layers whose routed experts live in RAM and run on the CPU (GPU backend)
     host_weight_bytes: int  # of weight_bytes, what lives in RAM beside the GPU (those experts)
@@ -238,12 +239,17 @@ def load_model(
     should_cancel: Callable[[], bool] | None = None,
     expert_layers_in_ram: int = 0,
     expert_cache_slots: int = 0,
+    kv_cache_type: str = "full",
 ) -> LoadedModel:
     """Open a GGUF, pick a backend and upload the weights. on_progress gets (tensors done, total, message);
     should_cancel returning True stops the load with `Cancelled` (an EngineError). expert_layers_in_ram: on the GPU,
     keep the routed experts of the first that many mixture-of-experts layers in RAM, where the CPU computes them
     (the rest of the model stays on the GPU); on the CPU everything is in RAM anyway. expert_cache_slots: GPU
-    memory for that many of each such layer's experts, the ones its tokens pick most (engine/expert_cache.py)."""
+    memory for that many of each such layer's experts, the ones its tokens pick most (engine/expert_cache.py).
+    kv_cache_type: "full" (fp16 on the GPU, float32 on the CPU) or "q8_0" (34 bytes per 32 values: half the GPU's
+    KV memory, so a longer context fits; the logits change slightly)."""
+    if kv_cache_type not in KV_CACHE_TYPES:
+        raise EngineError(f"kv_cache_type must be one of {', '.join(map(repr, KV_CACHE_TYPES))}, not {kv_cache_type!r}.")
     gguf = GGUFFile(path)
     try:
         arch = architecture_module(gguf.architecture, f"The model {gguf.path.name}")
@@ -275,7 +281,7 @@ def load_model(
             weights = arch.load_weights(gguf, config, backend, context, on_progress, should_cancel, host_layers)
             memory = backend.memory_in_use()
             weight_bytes = memory.total_bytes
-            cache = arch.new_cache(config, backend, context)
+            cache = arch.new_cache(config, backend, context, kv_cache_type)
             workspace = arch.new_workspace(config, backend, min(MAX_PROMPT_CHUNK, context))
         except MemoryError:
             backend.close()
@@ -300,6 +306,7 @@ def load_model(
             backend=backend.name,
             backend_reason=reason,
             weight_bytes=weight_bytes,
+            kv_cache_type=kv_cache_type,
             kv_cache_bytes=cache.nbytes,
             expert_layers_in_ram=len(host_layers),
             host_weight_bytes=memory.host_bytes if host_layers else 0,

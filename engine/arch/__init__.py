@@ -43,8 +43,9 @@ class Architecture(Protocol):
         host_expert_layers kept in RAM for the CPU."""
         ...
 
-    def new_cache(self, config: DecoderConfig, backend: Backend, max_tokens: int) -> KVCache | RecurrentCache:
-        """The cache a forward pass fills: KV entries (and recurrent states where the model has them)."""
+    def new_cache(self, config: DecoderConfig, backend: Backend, max_tokens: int, kind: str = "full") -> KVCache | RecurrentCache:
+        """The cache a forward pass fills: KV entries of `kind` (engine.backend.KV_CACHE_TYPES), and recurrent states
+        where the model has them."""
         ...
 
     def new_workspace(self, config: DecoderConfig, backend: Backend, max_chunk: int) -> Workspace:

@@ -125,18 +125,18 @@ def load_weights(
     return DecoderWeights(token_embd, layers, output_norm, output)
 
 
-def new_cache(config: DecoderConfig, backend: Backend, max_tokens: int) -> KVCache | RecurrentCache:
-    """The KV cache of every layer; with DeltaNet layers, a RecurrentCache: KV entries for the other layers only and
-    the recurrent layers' states (zeros), each layer at its config.slot."""
+def new_cache(config: DecoderConfig, backend: Backend, max_tokens: int, kind: str = "full") -> KVCache | RecurrentCache:
+    """The KV cache of every layer, of `kind` (engine.backend.KV_CACHE_TYPES); with DeltaNet layers, a RecurrentCache:
+    KV entries for the other layers only and the recurrent layers' states (zeros), each layer at its config.slot."""
     c = config
     n_recurrent = c.mixer_kinds.count(DELTANET)
     if not n_recurrent:
-        return backend.kv_cache(c.n_layers, c.n_kv_heads, c.head_dim, max_tokens)
+        return backend.kv_cache(c.n_layers, c.n_kv_heads, c.head_dim, max_tokens, kind)
     s = c.deltanet
     conv = (n_recurrent, s.conv_kernel - 1, s.conv_dim)
     ssm = (n_recurrent, s.n_v_heads, s.head_k_dim, s.head_v_dim)
     cache = RecurrentCache(
-        kv=backend.kv_cache(c.n_layers - n_recurrent, c.n_kv_heads, c.head_dim, max_tokens),
+        kv=backend.kv_cache(c.n_layers - n_recurrent, c.n_kv_heads, c.head_dim, max_tokens, kind),
         conv=backend.empty(conv), ssm=backend.empty(ssm), saved_conv=backend.empty(conv), saved_ssm=backend.empty(ssm),
         assign=backend.assign,
     )
