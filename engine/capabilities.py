@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from engine.arch import ARCHITECTURES
+from engine.backend import Q8_0_GROUP
 from engine.kernels.gpu_layout import FLOAT_TYPES, PLANES
 from engine.quants import SUPPORTED_TYPES
 
@@ -39,6 +40,8 @@ CPU_BYTES_PER_FILE_BYTE = {"Q4_0": 24 / 18, "Q4_1": 24 / 20, "Q5_0": 28 / 22, "Q
                            "Q2_K": 152 / 84, "IQ4_XS": 140 / 136}
 GPU_KV_DTYPE = np.dtype(np.float16)
 CPU_KV_DTYPE = np.dtype(np.float32)
+# A q8_0 KV cache (kv_cache_type="q8_0"), on either device: each 32 values as int8 under one fp16 scale.
+Q8_0_KV_BYTES_PER_ELEMENT = (Q8_0_GROUP + 2) / Q8_0_GROUP
 
 
 def architectures() -> set[str]:
@@ -76,6 +79,7 @@ def profile() -> dict[str, Any]:
         "cpu_kernel_types": {*CPU_BYTES_PER_FILE_BYTE, *(t.name for t in FLOAT_TYPES)},
         "kv_bytes_per_element_gpu": GPU_KV_DTYPE.itemsize,
         "kv_bytes_per_element_cpu": CPU_KV_DTYPE.itemsize,
+        "kv_bytes_per_element_q8_0": Q8_0_KV_BYTES_PER_ELEMENT,
         "prefill_chunk": MAX_PROMPT_CHUNK,
         "default_context": DEFAULT_CONTEXT,
         "dequant_scratch_elements": DEQUANT_SCRATCH_ELEMENTS,

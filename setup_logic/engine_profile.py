@@ -6,7 +6,12 @@ are written once, in the engine, and every field here must be given.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, Field
+
+# The engine's KV cache types (engine.backend.KV_CACHE_TYPES): "full" (fp16 on the GPU, float32 on the CPU) or "q8_0".
+KvCacheType = Literal["full", "q8_0"]
 
 
 class EngineProfile(BaseModel):
@@ -26,8 +31,9 @@ class EngineProfile(BaseModel):
         description="tensor types the CPU computes one token on at about its memory's speed (its kernels' types and the "
         "float ones); it dequantizes the others a few rows at a time, far slower"
     )
-    kv_bytes_per_element_gpu: int = Field(gt=0)
-    kv_bytes_per_element_cpu: int = Field(gt=0)
+    kv_bytes_per_element_gpu: int = Field(gt=0, description="the full KV cache on the GPU")
+    kv_bytes_per_element_cpu: int = Field(gt=0, description="the full KV cache on the CPU")
+    kv_bytes_per_element_q8_0: float = Field(gt=0, description="a q8_0 KV cache, on either device")
     prefill_chunk: int = Field(gt=0, description="tokens per prompt chunk, which sizes the workspace")
     default_context: int = Field(gt=0, description="context the engine uses when none is asked for")
     dequant_scratch_elements: int = Field(ge=0, description="fp16 scratch of the GPU prompt path, in values")
@@ -35,6 +41,11 @@ class EngineProfile(BaseModel):
     hot_expert_cache: bool = Field(
         False, description="the GPU can also hold the most picked experts of the layers whose experts are in RAM"
     )
+
+    def kv_bytes_per_element(self, kv_cache: KvCacheType, on_gpu: bool) -> float:
+        if kv_cache == "q8_0":
+            return self.kv_bytes_per_element_q8_0
+        return self.kv_bytes_per_element_gpu if on_gpu else self.kv_bytes_per_element_cpu
 
     def gpu_usable(self, compute_capability: str | None) -> bool:
         """Whether an NVIDIA GPU of this compute capability ("8.9") runs the engine's kernels."""

@@ -2,7 +2,8 @@
 
 The estimate describes what the engine allocates (its EngineProfile says how it stores things), not a generic
 rule of thumb:
-- GPU path: the GGUF's quantized bytes are uploaded as they are; KV cache at the profile's element size.
+- GPU path: the GGUF's quantized bytes are uploaded as they are; KV cache at the profile's element size (of the
+  KV cache type asked for: q8_0 takes 34 bytes per 32 values on either device).
 - CPU path: the quantized bytes kept as they are, or (a profile with cpu_weights_dequantized_to_f32) float32
   copies, 4 bytes per weight; KV cache at the profile's element size.
 - Loading reads the file through a memory map once; those pages show in the process's memory but the OS can
@@ -23,7 +24,7 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 from setup_logic.catalog import CatalogModel
-from setup_logic.engine_profile import EngineProfile
+from setup_logic.engine_profile import EngineProfile, KvCacheType
 from setup_logic.hardware import PcReport, best_gpu, gb
 
 Level = Literal["gpu", "gpu+ram", "cpu"]
@@ -68,6 +69,9 @@ class Preferences(BaseModel):
     context_length: int | None = Field(default=None, ge=1, description="tokens of context wanted; None picks one")
     ram_bytes_override: int | None = Field(default=None, ge=0, description="RAM the model may use, instead of what is available now")
     vram_bytes_override: int | None = Field(default=None, ge=0, description="VRAM the model may use, instead of what is free now")
+    kv_cache: KvCacheType = Field(
+        default="full", description="the KV cache type: q8_0 takes about half the GPU's KV bytes, so a longer context fits"
+    )
 
 
 class MemoryEstimate(BaseModel):
@@ -78,6 +82,7 @@ class MemoryEstimate(BaseModel):
     )
     gpu_weights_bytes: int
     ram_weights_bytes: int
+    kv_cache_type: KvCacheType
     kv_cache_bytes: int
     recurrent_state_bytes: int
     workspace_bytes: int = Field(description="activations for one prompt chunk, attention scores, rotary tables")
@@ -147,9 +152,9 @@ class Recommendation(BaseModel):
     not_supported: list[RejectedModel] = Field(description="models the engine cannot run yet, with what is missing")
 
 
-def kv_cache_bytes(model: CatalogModel, context_length: int, bytes_per_element: int) -> int:
+def kv_cache_bytes(model: CatalogModel, context_length: int, bytes_per_element: float) -> int:
     layers = model.kv_layers or model.n_layers
-    return layers * 2 * model.n_kv_heads * model.head_dim * context_length * bytes_per_element
+    return round(layers * 2 * model.n_kv_heads * model.head_dim * context_length * bytes_per_element)
 
 
 def workspace_bytes(model: CatalogModel, context_length: int, engine: EngineProfile, on_gpu: bool) -> int:
@@ -198,8 +203,10 @@ def estimate_memory(
     engine: EngineProfile,
     expert_layers_in_ram: int | None = None,
     expert_cache_slots: int = 0,
+    kv_cache: KvCacheType = "full",
 ) -> MemoryEstimate:
-    """Bytes on the GPU and in RAM for running `model` with `context_length` tokens at `level`.
+    """Bytes on the GPU and in RAM for running `model` with `context_length` tokens at `level`, its KV cache of type
+    kv_cache.
 
     For "gpu+ram", expert_layers_in_ram is how many layers keep their routed experts in RAM (1 to n_layers), and
     expert_cache_slots how many of each such layer's experts the GPU holds as well (its most picked ones)."""
@@ -213,11 +220,11 @@ def estimate_memory(
     if level == "cpu":
         ram_weights = round(model.params_b * 1e9 * 4) if f32 else round(file_bytes * _main_type_ratio(model, engine))
         gpu_weights = gpu_overhead = 0
-        kv = kv_cache_bytes(model, context_length, engine.kv_bytes_per_element_cpu)
+        kv = kv_cache_bytes(model, context_length, engine.kv_bytes_per_element(kv_cache, on_gpu=False))
     else:
         gpu_overhead = _CUDA_CONTEXT_BYTES
         ram_overhead += _CUDA_HOST_BYTES
-        kv = kv_cache_bytes(model, context_length, engine.kv_bytes_per_element_gpu)
+        kv = kv_cache_bytes(model, context_length, engine.kv_bytes_per_element(kv_cache, on_gpu=True))
         if level == "gpu":
             expert_layers_in_ram = None
             gpu_weights, ram_weights = file_bytes, 0
@@ -253,6 +260,7 @@ def estimate_memory(
         expert_layers_in_ram=expert_layers_in_ram if level == "gpu+ram" else None,
         gpu_weights_bytes=gpu_weights,
         ram_weights_bytes=ram_weights,
+        kv_cache_type=kv_cache,
         kv_cache_bytes=kv,
         recurrent_state_bytes=state,
         workspace_bytes=workspace,
@@ -274,7 +282,8 @@ def estimate_memory(
 
 
 def _explain(e: MemoryEstimate, f32: bool) -> str:
-    kv = f"KV cache {gb(e.kv_cache_bytes)} ({e.context_length} tokens)"
+    kind = "" if e.kv_cache_type == "full" else f"{e.kv_cache_type}, "
+    kv = f"KV cache {gb(e.kv_cache_bytes)} ({kind}{e.context_length} tokens)"
     state = f" + recurrent state {gb(e.recurrent_state_bytes)}" if e.recurrent_state_bytes else ""
     reclaim = f"; plus {gb(e.reclaimable_file_bytes)} of file pages read once while loading, which the OS can drop"
     if e.level == "cpu":
@@ -307,6 +316,7 @@ class _Budget:
     ram: int
     gpu_name: str
     avx2: bool | None
+    kv_cache: KvCacheType  # not a budget, but what every estimate the fit makes needs along with it
 
 
 def _budget(report: PcReport, prefs: Preferences, engine: EngineProfile) -> _Budget:
@@ -314,7 +324,7 @@ def _budget(report: PcReport, prefs: Preferences, engine: EngineProfile) -> _Bud
     vram = prefs.vram_bytes_override if prefs.vram_bytes_override is not None else (gpu.vram_free_bytes if gpu else 0)
     ram = prefs.ram_bytes_override if prefs.ram_bytes_override is not None else report.ram_available_bytes
     name = gpu.name if gpu else "the GPU given by the VRAM override"
-    return _Budget(vram=vram, ram=ram, gpu_name=name, avx2=report.cpu.avx2)
+    return _Budget(vram=vram, ram=ram, gpu_name=name, avx2=report.cpu.avx2, kv_cache=prefs.kv_cache)
 
 
 def _fits(e: MemoryEstimate, budget: _Budget) -> bool:
@@ -325,7 +335,8 @@ def _expert_layers_in_ram(model: CatalogModel, context_length: int, engine: Engi
     """The fewest layers whose experts must move to RAM for the rest to fit the GPU (VRAM falls linearly with them);
     None when even every layer's experts in RAM leave too much on the GPU."""
     layers = model.n_layers
-    least = estimate_memory(model, context_length, "gpu+ram", engine, expert_layers_in_ram=layers).vram_bytes
+    least = estimate_memory(model, context_length, "gpu+ram", engine, expert_layers_in_ram=layers,
+                            kv_cache=budget.kv_cache).vram_bytes
     room = budget.vram * _FIT_FRACTION
     if least > room:
         return None
@@ -341,7 +352,7 @@ def _place(model: CatalogModel, context_length: int, level: Level, engine: Engin
             return None
         slots = _expert_cache_slots(model, context_length, engine, budget, layers)
     estimate = estimate_memory(model, context_length, level, engine, expert_layers_in_ram=layers,
-                               expert_cache_slots=slots)
+                               expert_cache_slots=slots, kv_cache=budget.kv_cache)
     return estimate if _fits(estimate, budget) else None
 
 
@@ -352,7 +363,7 @@ def _expert_cache_slots(model: CatalogModel, context_length: int, engine: Engine
     if not engine.hot_expert_cache:
         return 0
     left = budget.vram * _FIT_FRACTION - estimate_memory(model, context_length, "gpu+ram", engine,
-                                                         expert_layers_in_ram=layers).vram_bytes
+                                                         expert_layers_in_ram=layers, kv_cache=budget.kv_cache).vram_bytes
     per_slot = model.expert_bytes * layers / model.n_layers / model.n_experts  # one expert of each RAM layer
     return max(0, min(model.n_experts, math.floor(left / per_slot)))
 
@@ -493,10 +504,11 @@ def _why_not(model: CatalogModel, context: int, engine: EngineProfile, budget: _
         gpu_part = f"On the GPU: {gap}."
         return f"{gpu_part} {cpu_too_slow}" if cpu_too_slow else f"{gpu_part} Too big for the CPU path: it needs {_cpu_need(model, context, engine, budget)}."
     if budget.vram > 0:
-        gpu = estimate_memory(model, context, "gpu", engine)
+        gpu = estimate_memory(model, context, "gpu", engine, kv_cache=budget.kv_cache)
         needs.append(f"{gb(gpu.vram_bytes)} of VRAM on the GPU ({gb(budget.vram)} free)")
         if model.is_moe and engine.experts_in_ram:
-            split = estimate_memory(model, context, "gpu+ram", engine, expert_layers_in_ram=model.n_layers)
+            split = estimate_memory(model, context, "gpu+ram", engine, expert_layers_in_ram=model.n_layers,
+                                    kv_cache=budget.kv_cache)
             needs.append(
                 f"{gb(split.vram_bytes)} of VRAM and {gb(split.ram_required_bytes)} of RAM with its experts in RAM"
             )
@@ -509,7 +521,7 @@ def _why_not(model: CatalogModel, context: int, engine: EngineProfile, budget: _
 
 
 def _cpu_need(model: CatalogModel, context: int, engine: EngineProfile, budget: _Budget) -> str:
-    cpu = estimate_memory(model, context, "cpu", engine)
+    cpu = estimate_memory(model, context, "cpu", engine, kv_cache=budget.kv_cache)
     return f"{gb(cpu.ram_required_bytes)} of RAM on the CPU ({gb(budget.ram)} available)"
 
 

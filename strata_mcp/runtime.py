@@ -135,10 +135,10 @@ class Runtime:
 
     # -- loading -------------------------------------------------------------------------
     def start_model(self, model_id: str, device: str, context_length: int | None, expert_layers_in_ram: int = 0,
-                    expert_cache_slots: int = 0) -> None:
+                    expert_cache_slots: int = 0, kv_cache: str = "full") -> None:
         """Begin loading `model_id` on a background thread (replacing nothing: stop first); expert_layers_in_ram: the
         MoE layers whose experts stay in RAM, expert_cache_slots: how many of each such layer's experts the GPU holds
-        too (the placement choose_model's fit made)."""
+        too (the placement choose_model's fit made); kv_cache: the KV cache type."""
         path = self.store.model_path(model_id)
         with self._lock:
             slot = self.slot
@@ -154,13 +154,14 @@ class Runtime:
                 memory_before_load=measure_memory(),
             )
         threading.Thread(
-            target=self._load, args=(slot, path, device, context_length, expert_layers_in_ram, expert_cache_slots),
+            target=self._load,
+            args=(slot, path, device, context_length, expert_layers_in_ram, expert_cache_slots, kv_cache),
             name="engine-load",
             daemon=True
         ).start()
 
     def _load(self, slot: EngineSlot, path: Path, device: str, context_length: int | None,
-              expert_layers_in_ram: int, expert_cache_slots: int) -> None:
+              expert_layers_in_ram: int, expert_cache_slots: int, kv_cache: str) -> None:
         def on_progress(done: int, total: int, message: str) -> None:
             slot.load = LoadProgress(done, total, message)
 
@@ -168,7 +169,7 @@ class Runtime:
             model = load_model(
                 path, device=device, context_length=context_length,
                 on_progress=on_progress, should_cancel=self._cancel_load.is_set,
-                expert_layers_in_ram=expert_layers_in_ram, expert_cache_slots=expert_cache_slots,
+                expert_layers_in_ram=expert_layers_in_ram, expert_cache_slots=expert_cache_slots, kv_cache_type=kv_cache,
             )
         except Exception as exc:  # the slot reports it; status and start show the sentence
             with self._lock:
@@ -206,9 +207,9 @@ class Runtime:
         if info.expert_layers_in_ram:
             return estimate_memory(model, info.context_length, "gpu+ram", engine_profile(),
                                    expert_layers_in_ram=info.expert_layers_in_ram,
-                                   expert_cache_slots=info.expert_cache_slots)
+                                   expert_cache_slots=info.expert_cache_slots, kv_cache=info.kv_cache_type)
         level = "cpu" if info.backend == "numpy" else "gpu"
-        return estimate_memory(model, info.context_length, level, engine_profile())
+        return estimate_memory(model, info.context_length, level, engine_profile(), kv_cache=info.kv_cache_type)
 
     # -- unloading -----------------------------------------------------------------------
     def stop_model(self, force: bool, timeout: float = 30.0) -> EngineSlot:

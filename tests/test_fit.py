@@ -47,6 +47,33 @@ def test_kv_cache_formula():
     assert kv_cache_bytes(hybrid, 8192, 2) == 16 * 2 * 4 * 256 * 8192 * 2
 
 
+def test_a_q8_0_kv_cache_takes_34_bytes_per_32_values_so_a_longer_context_fits():
+    """q8_0 on either device: 17/32 of the GPU's fp16 KV bytes, 17/64 of the CPU's float32 ones; the largest context
+    that fits grows (to the model's own limit for an 8B model on a 12 GB card)."""
+    qwen = get_model("qwen3-8b")
+    full, q8 = (estimate_memory(qwen, 32768, "gpu", REAL, kv_cache=kind) for kind in ("full", "q8_0"))
+    assert q8.kv_cache_bytes * 32 == full.kv_cache_bytes * 17 and full.vram_bytes - q8.vram_bytes > 2 * GIB
+    assert q8.kv_cache_type == "q8_0" and "(q8_0, 32768 tokens)" in q8.explanation
+    full, q8 = (estimate_memory(qwen, 4096, "cpu", REAL, kv_cache=kind) for kind in ("full", "q8_0"))
+    assert q8.kv_cache_bytes * 64 == full.kv_cache_bytes * 17
+    for card, full_largest, q8_largest in ((("RTX 3060", 12, 11.5), 39497, 40960), (("RTX 4060", 8, 7.5), 11922, 22374)):
+        fits = [fit_model(qwen, pc(32, 26, [card]), Preferences(kv_cache=kind), REAL) for kind in ("full", "q8_0")]
+        assert [(f.level, f.largest_context_that_fits) for f in fits] == [("gpu", full_largest), ("gpu", q8_largest)]
+    assert q8_largest < 2 * full_largest and qwen.context_max == 40960
+
+
+def test_the_kv_cache_types_are_the_engines():
+    from typing import get_args
+
+    from engine.backend import KV_CACHE_TYPES
+    from engine.backend_numpy import NumpyBackend
+    from setup_logic.engine_profile import KvCacheType
+
+    assert get_args(KvCacheType) == KV_CACHE_TYPES
+    cache = NumpyBackend().kv_cache(2, 4, 128, 64, "q8_0")
+    assert cache.nbytes == 2 * 2 * 4 * 128 * 64 * REAL.kv_bytes_per_element_q8_0
+
+
 def test_cpu_estimate_holds_float32_weights_and_counts_file_pages_as_reclaimable():
     smol = get_model("smollm2-135m-instruct")
     e = estimate_memory(smol, 2048, "cpu", TODAY)
@@ -386,6 +413,12 @@ def test_start_loads_with_the_fits_placement(monkeypatch, tmp_path):
     monkeypatch.setattr(start, "probe", lambda *args: pc(16, 12, [("RTX 4090", 24, 23.5)]))
     with pytest.raises(UserError, match="does not fit in 0.5 GB of GPU memory"):
         start._fitted(runtime, coder, start.StartInput(model=coder, vram_gb=0.5))
+    # A q8_0 KV cache lets an 8B model hold 16K tokens in 7.5 GB, which the full cache cannot.
+    qwen = start.StartInput(model="qwen3-8b", vram_gb=7.5, context_length=16384)
+    with pytest.raises(UserError, match="does not fit in 7.5 GB"):
+        start._fitted(runtime, "qwen3-8b", qwen)
+    q8 = qwen.model_copy(update={"kv_cache": "q8_0"})
+    assert start._fitted(runtime, "qwen3-8b", q8) == ("auto", 16384, 0, 0)
 
 
 def test_types_without_a_cpu_kernel_make_a_model_too_slow_for_the_cpu_and_keep_its_experts_off_ram():

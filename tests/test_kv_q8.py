@@ -118,9 +118,10 @@ def test_rope_attention_on_a_q8_0_cache_matches_the_reference(n, start, window, 
     assert np.abs(unrounded - want).max() > 1e-4
 
 
-# q8_0 moves SmolLM2's logits by about 1% of their range (0.75-0.99% at the last prompt position of this prompt, the
-# rivers one below and test_engine_logits' other two), enough to flip a near tie: greedy text parted after a few
-# words for "Name three rivers of Europe and say where each one flows." and for the capitals prompt; here it does not.
+# q8_0 moves SmolLM2's logits by 0.75-2% of their range at the last prompt position (this prompt, test_engine_logits'
+# other two, a chat asking for three rivers of Europe and one asking for the capital of France), enough to flip a near
+# tie: greedy text parted after a few words for the rivers and the capitals, at the first token for France (0.08
+# logits between "The" and "L"); here it does not.
 PROMPT = "<|im_start|>user\nWrite a haiku about the sea, in English, please.<|im_end|>\n<|im_start|>assistant\n"
 
 

@@ -137,9 +137,23 @@ async def test_bad_input_is_a_clear_error(tmp_path):
         message = await call_error(session, "choose_model", goal="poetry")
         assert "goal" in message
 
+        message = await call_error(session, "start", model="smollm2-135m-instruct", kv_cache="q4_0")
+        assert message.startswith("kv_cache:") and "'full'" in message and "'q8_0'" in message
+
         status = await call(session, "status")
         assert status["installed"] == [] and status["engine"]["state"] == "stopped"
     assert not any(data.rglob("*.gguf"))
+
+
+async def test_start_with_a_q8_0_kv_cache_reports_it_and_answers(installed_data_dir):
+    async with connect(installed_data_dir) as session:
+        started = await call(session, "start", device="cpu", context_length=1024, kv_cache="q8_0", wait_seconds=300)
+        assert started["engine"]["kv_cache_type"] == "q8_0" and "in a q8_0 KV cache" in started["summary"]
+        answer = await call(session, "chat", prompt="Write a haiku about the sea.", temperature=0, max_tokens=16)
+        assert "sea" in answer["text"].lower() and answer["timings"]["completion_tokens"] == 16
+        status = await call(session, "status")
+        assert status["engine"]["kv_cache_type"] == "q8_0" and "with a q8_0 KV cache" in status["summary"]
+        await call(session, "stop")
 
 
 async def test_cancelled_chat_leaves_the_model_ready(installed_data_dir):

@@ -8,6 +8,7 @@ from mcp.types import ToolAnnotations
 from pydantic import Field
 
 from setup_logic.catalog import load_catalog
+from setup_logic.engine_profile import KvCacheType
 from setup_logic.fit import Preferences, Recommendation, recommend
 from setup_logic.hardware import probe
 from strata_mcp.runtime import Runtime, engine_profile
@@ -27,6 +28,10 @@ class ChooseModelInput(ToolInput):
     vram_gb: float | None = Field(
         None, ge=0, le=1024, description="Override the detected free VRAM (GiB) when detection is wrong; 0 means no GPU."
     )
+    kv_cache: KvCacheType = Field(
+        "full", description="The KV cache type start will use: q8_0 halves the GPU's KV-cache memory, so a longer "
+        "context fits (logits change slightly)."
+    )
 
 
 def run(runtime: Runtime, args: ChooseModelInput, reporter: Reporter) -> Recommendation:
@@ -35,6 +40,7 @@ def run(runtime: Runtime, args: ChooseModelInput, reporter: Reporter) -> Recomme
         context_length=args.context_length,
         ram_bytes_override=None if args.ram_gb is None else int(args.ram_gb * GIB),
         vram_bytes_override=None if args.vram_gb is None else int(args.vram_gb * GIB),
+        kv_cache=args.kv_cache,
     )
     installed = {m.id for m in runtime.store.installed()}
     return recommend(probe(runtime.store.data_dir, engine_profile()), load_catalog(), prefs, engine_profile(), installed)

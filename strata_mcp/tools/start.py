@@ -8,6 +8,7 @@ from mcp.types import ToolAnnotations
 from pydantic import BaseModel, Field
 
 from setup_logic.catalog import get_model
+from setup_logic.engine_profile import KvCacheType
 from setup_logic.errors import UnknownModelError
 from setup_logic.fit import Preferences, fit_model
 from setup_logic.hardware import GIB, probe
@@ -31,6 +32,10 @@ class StartInput(ToolInput):
         description="GPU memory the model may use, in GB; default: the GPU's free memory. A mixture of experts that "
         "does not fit keeps the experts of some layers in RAM, where the CPU computes them (choose_model's fit picks "
         "how many).",
+    )
+    kv_cache: KvCacheType = Field(
+        "full", description="The KV cache's type: full, or q8_0, which halves the GPU's KV-cache memory so a longer "
+        "context fits (ask for it with context_length); logits change slightly."
     )
     wait_seconds: float = Field(120.0, ge=0, le=3600, description="How long to wait for the load (reporting progress) before returning 'loading'.")
     serve: bool = Field(
@@ -66,7 +71,7 @@ def _fitted(runtime: Runtime, model_id: str, args: StartInput) -> tuple[str, int
     except UnknownModelError:  # installed from a catalog that is no longer configured
         return args.device, args.context_length, 0, 0
     vram = 0 if args.device == "cpu" else None if args.vram_gb is None else round(args.vram_gb * GIB)
-    prefs = Preferences(context_length=args.context_length, vram_bytes_override=vram)
+    prefs = Preferences(context_length=args.context_length, vram_bytes_override=vram, kv_cache=args.kv_cache)
     fit = fit_model(model, probe(runtime.store.data_dir, engine_profile()), prefs, engine_profile())
     if fit.level == "none" and args.vram_gb is not None:
         raise UserError(f"{model_id} does not fit in {args.vram_gb:g} GB of GPU memory on this PC: {fit.reason}")
@@ -79,13 +84,14 @@ def _fitted(runtime: Runtime, model_id: str, args: StartInput) -> tuple[str, int
 def run(runtime: Runtime, args: StartInput, reporter: Reporter) -> StartOutput:
     model_id = _pick_model(runtime, args.model)
     device, context, layers_in_ram, cache_slots = _fitted(runtime, model_id, args)
-    runtime.start_model(model_id, device, context, layers_in_ram, cache_slots)
+    runtime.start_model(model_id, device, context, layers_in_ram, cache_slots, args.kv_cache)
     slot = runtime.wait_until_loaded(args.wait_seconds, reporter.cancelled, reporter.progress)
     status = engine_status(slot, runtime.memory_estimate(slot))
     if slot.state in ("ready", "busy"):
         summary = (
-            f"{model_id} is ready on {status.backend} ({status.backend_reason}), context {status.context_length} tokens, "
-            f"loaded in {slot.load_seconds:.1f} s; next: chat."
+            f"{model_id} is ready on {status.backend} ({status.backend_reason}), context {status.context_length} tokens"
+            f"{' in a q8_0 KV cache' if status.kv_cache_type == 'q8_0' else ''}, loaded in {slot.load_seconds:.1f} s; "
+            "next: chat."
         )
         if status.expert_layers_in_ram:
             summary += f" The experts of {status.expert_layers_in_ram} layers are in RAM, computed by the CPU"

@@ -34,6 +34,7 @@ def run(runtime: Runtime, args: StatusInput, reporter: Reporter) -> StatusOutput
         head = "No model loaded"
     else:
         head = f"{engine.model}: {engine.state}" + (f" on {engine.backend}" if engine.backend else "")
+        head += " with a q8_0 KV cache" if engine.kv_cache_type == "q8_0" else ""
     running = [j for j in installs if j.state in ("queued", "downloading", "verifying")]
     unverified = sum(not m.verified for m in installed)
     summary = (f"{head}; {len(installed)} model(s) installed" + (f" ({unverified} unverified)" if unverified else "")
