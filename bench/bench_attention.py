@@ -8,9 +8,11 @@ included) by attention_decode, attention_decode_split at several split counts an
 of its tile shapes (kernel_names.DEEP_TILES and DEEP_SWEEP; its registers and spilled bytes as `regs` and
 `local_bytes`), in microseconds and the TB/s of the keys and values it reads, timed as a replayed graph (graph_us),
 with each kernel's largest output difference to the first kernel's (attention_decode on sm_90) as `max_diff`.
+--kv-cache q8_0 times the kernels' q8_0 forms on a cache of random quants and scales (deep decode: its default
+tiles only).
 
 Usage: python bench/bench_attention.py [--heads 32] [--kv-heads 8] [--head-dim 128] [--chunk 512]
-       [--depths 0,7680,32256]
+       [--depths 0,7680,32256] [--kv-cache full|q8_0]
 """
 
 from __future__ import annotations
@@ -70,26 +72,33 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=512)
     parser.add_argument("--depths", default="0,7680,32256")
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--kv-cache", choices=("full", "q8_0"), default="full")
     args = parser.parse_args()
     h, kv, hd, n = args.heads, args.kv_heads, args.head_dim, args.chunk
     depths = [int(d) for d in args.depths.split(",")]
-    max_tokens = max(depths) + n
+    max_tokens = -(-(max(depths) + n) // 8) * 8  # a q8_0 cache holds a multiple of 8 positions
     rng = np.random.default_rng(0)
-    kc = cupy.asarray(rng.standard_normal((kv, max_tokens, hd)).astype(np.float16))
-    vc = cupy.asarray(rng.standard_normal((kv, max_tokens, hd)).astype(np.float16))
+    if args.kv_cache == "q8_0":
+        kc, vc = (cupy.asarray(rng.integers(-127, 128, (kv, max_tokens, hd), np.int8)) for _ in range(2))
+        scales = tuple(cupy.asarray(rng.uniform(0.005, 0.03, (kv, max_tokens, hd // 32)).astype(np.float16))
+                       for _ in range(2))
+        row_bytes = hd + hd // 16
+    else:
+        kc, vc = (cupy.asarray(rng.standard_normal((kv, max_tokens, hd)).astype(np.float16)) for _ in range(2))
+        scales, row_bytes = None, 2 * hd
     q = cupy.asarray(rng.standard_normal((n, h, hd)).astype(np.float32))
     out = cupy.empty((n, h * hd), cupy.float32)
     part = cupy.empty(n * h * (hd + 2), cupy.float32)
     start = cupy.zeros(1, cupy.int32)
     scale = 1.0 / np.sqrt(hd)
-    shape = {"gpu": gpu_name(), "heads": h, "kv_heads": kv, "head_dim": hd}
+    shape = {"gpu": gpu_name(), "heads": h, "kv_heads": kv, "head_dim": hd, "kv_cache": args.kv_cache}
     for depth in depths:
         start.fill(depth)
         keys = n * depth + n * (n + 1) // 2  # (query, key) pairs the causal mask keeps
         flops = 4.0 * keys * hd * h
         kernels = {
-            "flash_attention": lambda: K.flash_attention(q, kc, vc, start, out, scale, 0),
-            "attention_partial+combine": lambda: K.attention(q, kc, vc, start, out, scale, 0, part),
+            "flash_attention": lambda: K.flash_attention(q, kc, vc, start, out, scale, 0, scales),
+            "attention_partial+combine": lambda: K.attention(q, kc, vc, start, out, scale, 0, part, scales=scales),
         }
         for name, launch in kernels.items():
             us = timed_us(launch, args.reps)
@@ -107,24 +116,26 @@ def main() -> None:
     decode, extra = {}, {}
     if K.cluster_decode_attention():
         decode["attention_decode"] = functools.partial(K.attention_decode, q1, k1, v1, cos, sin, True, kc, vc, start,
-                                                       out1, scale, 0, q8)
+                                                       out1, scale, 0, q8, scales)
     for splits in sorted({K.decode_splits(max_tokens, kv), 16, 32, 64}):
         part_s = cupy.empty(h * splits * (hd + 2), cupy.float32)
         decode[f"attention_decode_split/{splits}"] = functools.partial(
-            K.attention_decode_split, q1, k1, v1, cos, sin, True, kc, vc, start, out1, scale, 0, part_s, done, q8, splits)
+            K.attention_decode_split, q1, k1, v1, cos, sin, True, kc, vc, start, out1, scale, 0, part_s, done, q8, splits,
+            scales=scales)
     if K.mma_capable():
-        for tiles in (N.DEEP_TILES[hd], *N.DEEP_SWEEP.get(hd, ())):
-            splits = K.deep_decode_splits(max_tokens, kv, hd, tiles)
+        sweep = N.DEEP_SWEEP.get(hd, ()) if scales is None else ()
+        for tiles in (N.DEEP_TILES[hd], *sweep):
+            splits = K.deep_decode_splits(max_tokens, kv, hd, tiles, args.kv_cache)
             part_d = cupy.empty(h * splits * (hd + 2), cupy.float32)
             decode[f"attention_decode_deep/kt{tiles[0]}_s{tiles[1]}/{splits}"] = functools.partial(
                 K.attention_decode_deep, q1, k1, v1, cos, sin, True, kc, vc, start, out1, scale, 0, part_d, done, q8,
-                splits, tiles)
-            fn = K.kernel("attention", N.deep_decode(hd, tiles))
+                splits, tiles, scales)
+            fn = K.kernel("attention", N.deep_decode(hd, tiles, args.kv_cache))
             extra[next(reversed(decode))] = {"regs": fn.attributes["num_regs"],
                                              "local_bytes": fn.attributes["local_size_bytes"]}
     for depth in sorted(d for d in set(depths + [511, 1023, 2047, 4095, 6143, 8191, max_tokens - 1]) if d < max_tokens):
         start.fill(depth)
-        kv_bytes = 2 * kv * (depth + 1) * hd * 2
+        kv_bytes = 2 * kv * (depth + 1) * row_bytes
         reference = None
         for name, launch in decode.items():
             launch()

@@ -15,6 +15,7 @@ reached, and the GPU memory in use (total minus free, as NVML counts it) and the
 
 Usage: python bench/bench_gpu.py MODEL.gguf [MODEL.gguf ...] [--prompt 512] [--output 128] [--device cuda]
        [--repeats 5] [--attention flash|chunk] [--decode-attention auto|cluster|split|deep] [--experts-in-ram N]
+       [--kv-cache full|q8_0]
 """
 
 from __future__ import annotations
@@ -188,9 +189,10 @@ def gpu_name() -> str:
 
 
 def run(path: Path, prompt_len: int, output_len: int, device: str, repeats: int, experts_in_ram: int = 0,
-        expert_cache_slots: int = 0) -> dict:
+        expert_cache_slots: int = 0, kv_cache: str = "full") -> dict:
     model = load_model(path, device=device, context_length=prompt_len + output_len + 8,
-                       expert_layers_in_ram=experts_in_ram, expert_cache_slots=expert_cache_slots)
+                       expert_layers_in_ram=experts_in_ram, expert_cache_slots=expert_cache_slots,
+                       kv_cache_type=kv_cache)
     state = model._state
     backend = state.backend
     rng = np.random.default_rng(0)
@@ -265,6 +267,8 @@ def run(path: Path, prompt_len: int, output_len: int, device: str, repeats: int,
         "prompt_tokens": prompt_len,
         "output_tokens": output_len,
         "context": model.info.context_length,
+        "kv_cache": kv_cache,
+        "kv_cache_bytes": model.info.kv_cache_bytes,
         "prompt_tokens_per_s": round(prompt_len / prompt_s, 1),
         "output_tokens_per_s": round(output_tps, 1),
         "output_tokens_per_s_median": round(output_len / median_output_s, 1),
@@ -299,6 +303,7 @@ def main() -> None:
                         help="MoE layers whose routed experts stay in RAM, computed by the CPU (the first N)")
     parser.add_argument("--expert-cache-slots", type=int, default=0,
                         help="GPU slots for the most used experts of each layer kept in RAM (engine/expert_cache.py)")
+    parser.add_argument("--kv-cache", choices=("full", "q8_0"), default="full", help="the KV cache's element type")
     args = parser.parse_args()
     if args.device == "cuda":
         from engine.kernels import cuda
@@ -306,10 +311,10 @@ def main() -> None:
         if args.attention == "chunk":
             cuda.flash_attention_capable = lambda n_heads, n_kv: False
         if args.decode_attention != "auto":
-            cuda.decode_attention_form = lambda n_heads, n_kv, max_tokens, deep: args.decode_attention
+            cuda.decode_attention_form = lambda n_heads, n_kv, max_tokens, deep, kv="full": args.decode_attention
     for path in args.models:
         result = run(path, args.prompt, args.output, args.device, args.repeats, args.experts_in_ram,
-                     args.expert_cache_slots)
+                     args.expert_cache_slots, args.kv_cache)
         print(json.dumps({**result, "prompt_attention": args.attention, "decode_attention": args.decode_attention}),
               flush=True)
 

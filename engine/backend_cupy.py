@@ -21,7 +21,8 @@ import cupyx
 import numpy as np
 
 from engine import quants
-from engine.backend import ROPE_NEOX, ROPE_NORMAL, ExpertCacheStats, KVCache, MemoryInUse, RopeTable, SamplingParams
+from engine.backend import (KV_CACHE_TYPES, Q8_0_GROUP, ROPE_NEOX, ROPE_NORMAL, ExpertCacheStats, KVCache, MemoryInUse,
+                            RopeTable, SamplingParams)
 from engine.capabilities import DEQUANT_SCRATCH_ELEMENTS, GPU_KV_DTYPE, HOST_EXPERT_THREADS, MIN_COMPUTE_CAPABILITY
 from engine import expert_stream
 from engine.expert_cache import ExpertCache
@@ -188,14 +189,22 @@ class CupyBackend:
         return self._hold(RopeTable(cos, sin))
 
     @_op()
-    def kv_cache(self, n_layers: int, n_kv_heads: int, head_dim: int, max_tokens: int) -> KVCache:
+    def kv_cache(self, n_layers: int, n_kv_heads: int, head_dim: int, max_tokens: int, kind: str = "full") -> KVCache:
         if head_dim not in K.HEAD_DIMS:
             raise EngineError(
                 f"This model's attention heads have {head_dim} dims; the GPU backend supports "
                 f"{', '.join(map(str, K.HEAD_DIMS))}. Run it on the CPU with device='cpu'."
             )
-        shape = (n_layers, n_kv_heads, max_tokens, head_dim)
-        return self._hold(KVCache(cupy.zeros(shape, GPU_KV_DTYPE), cupy.zeros(shape, GPU_KV_DTYPE)))
+        if kind not in KV_CACHE_TYPES:
+            raise EngineError(f"Unknown KV cache type {kind!r}; use one of {', '.join(KV_CACHE_TYPES)}.")
+        if kind == "full":
+            shape = (n_layers, n_kv_heads, max_tokens, head_dim)
+            return self._hold(KVCache(cupy.zeros(shape, GPU_KV_DTYPE), cupy.zeros(shape, GPU_KV_DTYPE)))
+        # A multiple of 8 positions: the deep decode kernel copies a KV head's scales 16 bytes at a time.
+        shape = (n_layers, n_kv_heads, -(-max_tokens // 8) * 8, head_dim)
+        scales = shape[:3] + (head_dim // Q8_0_GROUP,)
+        return self._hold(KVCache(cupy.zeros(shape, cupy.int8), cupy.zeros(shape, cupy.int8),
+                                  cupy.zeros(scales, cupy.float16), cupy.zeros(scales, cupy.float16)))
 
     def _upload_host(self, tensor: GGUFTensor, shape: tuple[int, ...]) -> CpuWeight:
         """A mixture's stacked experts kept in RAM in the CPU kernels' layout (engine/cpu), for `moe_ffn`."""
@@ -524,33 +533,37 @@ class CupyBackend:
         if style not in (ROPE_NORMAL, ROPE_NEOX):
             raise EngineError(f"Unknown rotary style {style!r}.")
         kc, vc, neox = cache.k[layer], cache.v[layer], style == ROPE_NEOX
+        scales = (cache.k_scale[layer], cache.v_scale[layer]) if cache.k_scale is not None else None
         n, n_heads, hd = q.shape
         n_kv, max_tokens = kc.shape[0], kc.shape[1]
-        form = K.decode_attention_form(n_heads, n_kv, max_tokens, self._deep_decode) if n == 1 else None
+        form = K.decode_attention_form(n_heads, n_kv, max_tokens, self._deep_decode, cache.kind) if n == 1 else None
         if form in ("deep", "split"):  # blocks of a KV head's whole group and a split of its keys, merged by the last
             deep = form == "deep"
-            splits = K.deep_decode_splits(max_tokens, n_kv, hd) if deep else K.decode_splits(max_tokens, n_kv)
+            splits = (K.deep_decode_splits(max_tokens, n_kv, hd, kv=cache.kind) if deep
+                      else K.decode_splits(max_tokens, n_kv))
             part = self._decode_buffer("attn_split_part", n_heads * splits * (hd + 2), cupy.float32)
             done = self._decode_buffer("attn_split_done", n_kv, cupy.uint32, zeroed=True)
             (K.attention_decode_deep if deep else K.attention_decode_split)(
                 q, k, v, rope.cos, rope.sin, neox, kc, vc, start, out, scale, window, part, done,
-                self._quantize_output(out), splits)
+                self._quantize_output(out), splits, scales=scales)
             return
         if form == "cluster":  # one kernel, the splits merged inside each head's cluster
             K.attention_decode(q, k, v, rope.cos, rope.sin, neox, kc, vc, start, out, scale, window,
-                               self._quantize_output(out))
+                               self._quantize_output(out), scales)
             return
-        K.rope_store_kv(q, k, v, rope.cos, rope.sin, neox, kc, vc, start)
+        K.rope_store_kv(q, k, v, rope.cos, rope.sin, neox, kc, vc, start, scales)
         if n > 1 and K.flash_attention_capable(n_heads, n_kv):  # a prompt chunk on tensor cores
-            K.flash_attention(q, kc, vc, start, out, scale, window)
+            K.flash_attention(q, kc, vc, start, out, scale, window, scales)
             return
         z, wpq = K.attention_splits(n)
         size = n * n_heads * z * wpq * (hd + 2)  # partial results of the key-range splits
         if n == 1:
             K.attention(q, kc, vc, start, out, scale, window, self._decode_buffer("attn_part", size, cupy.float32),
-                        self._quantize_output(out), self._decode_buffer("attn_done", n_heads, cupy.uint32, zeroed=True))
+                        self._quantize_output(out), self._decode_buffer("attn_done", n_heads, cupy.uint32, zeroed=True),
+                        scales)
         else:
-            K.attention(q, kc, vc, start, out, scale, window, self._buffer("attn_part", size, cupy.float32))
+            K.attention(q, kc, vc, start, out, scale, window, self._buffer("attn_part", size, cupy.float32),
+                        scales=scales)
 
     def _decode_buffer(self, key: str, size: int, dtype: Any, zeroed: bool = False) -> Any:
         """Scratch a decode step uses: allocated on the step's first (uncaptured) run and never regrown after it,

@@ -109,6 +109,7 @@ SAMPLE = {
     "stream": lambda: N.stream(N.QUANT_TYPES[0], ""),
     "dequant": lambda: N.dequant(N.QUANT_TYPES[0], True),
     "delta_rule": lambda: N.delta_rule(N.DELTA_KEY_DIMS[0]),
+    "rope_store": lambda: N.rope_store(),
 }
 
 

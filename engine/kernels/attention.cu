@@ -157,14 +157,13 @@ struct KeyTile {
     static constexpr int N = HD / 8;      // loads for 32 keys
 
     // EARLY: issued before grid_dependency_sync (ld16_early), so it overlaps the kernel before.
-    template <bool EARLY = false>
-    __device__ static void load(const u16* __restrict__ kbase, int j0, int hi, uint4 (&kv)[N]) {
+    template <bool EARLY = false, class Rows>
+    __device__ static void load(const Rows& keys, int j0, int hi, uint4 (&kv)[N]) {
         const int lane = threadIdx.x & 31;
 #pragma unroll
         for (int i = 0; i < N; ++i) {
             const int j = j0 + i * KPI + lane / LPK;
-            const uint4* p = reinterpret_cast<const uint4*>(kbase + (long)j * HD) + lane % LPK;
-            if (j < hi) kv[i] = EARLY ? ld16_early(p) : __ldg(p);
+            if (j < hi) kv[i] = keys.template load8<EARLY>(j, 8 * (lane % LPK));
         }
     }
 
@@ -197,10 +196,9 @@ struct KeyTile {
 // scale * log2(e). Leaves the unnormalized output, the max m and the sum l; acc[2 c + e] is dim 64 c + 2 lane + e
 // (each lane reads the values two fp16 at a time).
 // With PRELOADED, kv holds keys lo .. lo + 31 (KeyTile), loaded by the caller; other keys are loaded here.
-template <int HD, bool PRELOADED>
-__device__ __forceinline__ void warp_attend(const float* qs, const u16* __restrict__ kbase,
-                                            const u16* __restrict__ vbase, int lo, int hi, uint4 (&kv)[HD / 8],
-                                            float (&acc)[HD / 32], float& m, float& l) {
+template <int HD, bool PRELOADED, class Rows>
+__device__ __forceinline__ void warp_attend(const float* qs, const Rows& keys, const Rows& values, int lo, int hi,
+                                            uint4 (&kv)[HD / 8], float (&acc)[HD / 32], float& m, float& l) {
     constexpr int WPL = HD / 64;              // 32-bit words (fp16 pairs) of a value row per lane
     // Value rows loaded together: in a decode graph on an H200, 8 beat 32 at head dim 64 (the step 10% faster)
     // and matched 16 and 32 at head dim 128.
@@ -215,7 +213,7 @@ __device__ __forceinline__ void warp_attend(const float* qs, const u16* __restri
     for (int e = 0; e < 8; ++e) q8[e] = qs[8 * (lane % KeyTile<HD>::LPK) + e];
     for (int j0 = lo; j0 < hi; j0 += 32) {
         const int j = j0 + lane;
-        if (!PRELOADED || j0 > lo) KeyTile<HD>::load(kbase, j0, hi, kv);
+        if (!PRELOADED || j0 > lo) KeyTile<HD>::load(keys, j0, hi, kv);
         const float s = KeyTile<HD>::scores(q8, kv, j0, hi);
         const float m_new = fmaxf(m, warp_max(s));
         const float corr = exp2f(m - m_new);
@@ -230,9 +228,7 @@ __device__ __forceinline__ void warp_attend(const float* qs, const u16* __restri
             for (int t = 0; t < VT; ++t)
 #pragma unroll
                 for (int c = 0; c < WPL; ++c)
-                    vv[t][c] = jj + t < cnt
-                                   ? __ldg(reinterpret_cast<const u32*>(vbase + (long)(j0 + jj + t) * HD) + 32 * c + lane)
-                                   : 0u;
+                    vv[t][c] = jj + t < cnt ? values.load2(j0 + jj + t, 64 * c + 2 * lane) : 0u;
 #pragma unroll
             for (int t = 0; t < VT; ++t) {
                 const float pj = jj + t < cnt ? __shfl_sync(0xFFFFFFFFu, p, (jj + t) & 31) : 0.0f;
@@ -249,46 +245,79 @@ __device__ __forceinline__ void warp_attend(const float* qs, const u16* __restri
 
 // This decode step's own token, for attention_decode, which fuses the rotary embedding and the cache write: its k
 // and v as the QKV projection left them (k not yet rotated), the rotary table rows of its position (rope.cu's
-// rot and style), and where this block stores them in the cache (null in all but one q head of each KV group).
+// rot and style), and where this block stores them in the cache (null in all but one q head of each KV group):
+// the rows, and for a q8_0 cache their scales.
 struct NewToken {
     const float *k, *v, *cos, *sin;
     int rot, neox;
-    u16 *k_store, *v_store;
+    void *k_store, *v_store;
+    u16 *k_scale_store, *v_scale_store;
 };
 
 // The step's own key (rotated) and value as the cache holds them: fp16 pairs, word c of a lane being dims
-// 64 c + 2 lane and + 1. Read right after the wait, with the query, so their loads share one trip to L2.
-template <int HD>
+// 64 c + 2 lane and + 1 (with Q8 the fp16 of their q8_0 values, and the int8 pairs and scales to store). Read right
+// after the wait, with the query, so their loads share one trip to L2.
+template <int HD, bool Q8>
 struct NewKV {
     u32 k[HD / 64], v[HD / 64];
+    Q8Pair kq[Q8 ? HD / 64 : 1], vq[Q8 ? HD / 64 : 1];
 
     __device__ void load(const NewToken& nt) {
         const int lane = threadIdx.x & 31;
 #pragma unroll
         for (int c = 0; c < HD / 64; ++c) {
             const int d = 64 * c + 2 * lane;
-            k[c] = f2h(rotated(nt.k, d, nt.rot, nt.neox, nt.cos, nt.sin)) |
-                   (u32)f2h(rotated(nt.k, d + 1, nt.rot, nt.neox, nt.cos, nt.sin)) << 16;
-            v[c] = f2h(nt.v[d]) | (u32)f2h(nt.v[d + 1]) << 16;
+            const float k0 = rotated(nt.k, d, nt.rot, nt.neox, nt.cos, nt.sin);
+            const float k1 = rotated(nt.k, d + 1, nt.rot, nt.neox, nt.cos, nt.sin);
+            if constexpr (Q8) {  // a group of 32 dims is 16 lanes' pairs
+                kq[c] = q8_round_pair(k0, k1, 16);
+                vq[c] = q8_round_pair(nt.v[d], nt.v[d + 1], 16);
+                k[c] = kq[c].value;
+                v[c] = vq[c].value;
+            } else {
+                k[c] = f2h(k0) | (u32)f2h(k1) << 16;
+                v[c] = f2h(nt.v[d]) | (u32)f2h(nt.v[d + 1]) << 16;
+            }
         }
     }
 
     __device__ void store(const NewToken& nt) const {
         if (nt.k_store == nullptr) return;
+        const int lane = threadIdx.x & 31;
 #pragma unroll
         for (int c = 0; c < HD / 64; ++c) {
-            reinterpret_cast<u32*>(nt.k_store)[32 * c + (threadIdx.x & 31)] = k[c];
-            reinterpret_cast<u32*>(nt.v_store)[32 * c + (threadIdx.x & 31)] = v[c];
+            if constexpr (Q8) {
+                reinterpret_cast<u16*>(nt.k_store)[32 * c + lane] = kq[c].q;
+                reinterpret_cast<u16*>(nt.v_store)[32 * c + lane] = vq[c].q;
+                if (lane % 16 == 0) {
+                    nt.k_scale_store[2 * c + lane / 16] = kq[c].scale;
+                    nt.v_scale_store[2 * c + lane / 16] = vq[c].scale;
+                }
+            } else {
+                reinterpret_cast<u32*>(nt.k_store)[32 * c + lane] = k[c];
+                reinterpret_cast<u32*>(nt.v_store)[32 * c + lane] = v[c];
+            }
         }
+    }
+
+    // Where KV head kvh's row at pos is stored (k_new, v_new: the step's projections of every KV head).
+    __device__ static NewToken token(const float* k_new, const float* v_new, int kvh, int pos, const float* cos_p,
+                                     const float* sin_p, int rot, int neox, void* k_cache, void* v_cache,
+                                     u16* k_scale, u16* v_scale, int max_tokens, bool store) {
+        const long row = (long)kvh * max_tokens + pos;
+        constexpr int ROW_BYTES = CacheRows<HD, Q8>::ROW_BYTES;
+        return {k_new + (long)kvh * HD, v_new + (long)kvh * HD, cos_p, sin_p, rot, neox,
+                store ? static_cast<char*>(k_cache) + row * ROW_BYTES : nullptr,
+                store ? static_cast<char*>(v_cache) + row * ROW_BYTES : nullptr,
+                store && Q8 ? k_scale + row * (HD / 32) : nullptr, store && Q8 ? v_scale + row * (HD / 32) : nullptr};
     }
 
     // The split kernels' own token: KV head kvh's key (rotated) and value of the step at pos, stored in the cache.
     __device__ static NewKV store_own(const float* k_new, const float* v_new, int kvh, int pos, const float* cos_p,
-                                      const float* sin_p, int rot, int neox, u16* k_cache, u16* v_cache,
-                                      int max_tokens) {
-        const long row = ((long)kvh * max_tokens + pos) * HD;
-        const NewToken nt = {k_new + (long)kvh * HD, v_new + (long)kvh * HD, cos_p, sin_p, rot, neox,
-                             k_cache + row, v_cache + row};
+                                      const float* sin_p, int rot, int neox, void* k_cache, void* v_cache,
+                                      u16* k_scale, u16* v_scale, int max_tokens) {
+        const NewToken nt = token(k_new, v_new, kvh, pos, cos_p, sin_p, rot, neox, k_cache, v_cache, k_scale,
+                                  v_scale, max_tokens, true);
         NewKV nkv;
         nkv.load(nt);
         nkv.store(nt);
@@ -322,9 +351,9 @@ struct NewKV {
 // than one dependent load at a time. DECODE (attention_decode): load the first key before waiting for the kernel
 // before (it then stays in registers across the wait: twice the registers, which the one-wave decode grid can
 // afford), and rotate q and take the step's own key and value from nt rather than from the cache.
-template <int HD, bool DECODE>
-__device__ __forceinline__ void attend_split(const float* __restrict__ q, long q_stride,
-                                             const u16* __restrict__ k_cache, const u16* __restrict__ v_cache,
+template <int HD, bool DECODE, bool Q8>
+__device__ __forceinline__ void attend_split(const float* __restrict__ q, long q_stride, const void* k_cache,
+                                             const void* v_cache, const u16* k_scale, const u16* v_scale,
                                              int max_tokens, int n_heads, int n_kv, const int* __restrict__ start,
                                              int n, int window, float scale_log2, int qi, int head, int split,
                                              int n_splits, const NewToken& nt, float (&acc)[HD / 32], float& m,
@@ -339,20 +368,20 @@ __device__ __forceinline__ void attend_split(const float* __restrict__ q, long q
     const int lo = first + split * per;
     const int hi = min(lo + per, pos + 1);
     const int cached_hi = DECODE ? min(hi, pos) : hi;  // the cache holds the decode step's own token only later
-    const u16* kbase = k_cache + (long)kvh * max_tokens * HD;
-    const u16* vbase = v_cache + (long)kvh * max_tokens * HD;
+    const CacheRows<HD, Q8> keys(k_cache, k_scale, (long)kvh * max_tokens);
+    const CacheRows<HD, Q8> values(v_cache, v_scale, (long)kvh * max_tokens);
     // Keys and values before start[0] (set before the step) are cached before the kernel before this one runs.
     // So while it finishes, a decode warp asks L2 for its rows (and with DECODE loads the first key it scores).
     if (n == 1) {
-        const char* kb = reinterpret_cast<const char*>(kbase + (long)lo * HD);
-        const char* vb = reinterpret_cast<const char*>(vbase + (long)lo * HD);
-        for (long off = 128L * lane; off < (long)(cached_hi - lo) * HD * 2; off += 32 * 128) {
+        const char* kb = keys.row_bytes(lo);
+        const char* vb = values.row_bytes(lo);
+        for (long off = 128L * lane; off < (long)(cached_hi - lo) * keys.ROW_BYTES; off += 32 * 128) {
             prefetch_l2_line(kb + off);
             prefetch_l2_line(vb + off);
         }
     }
     uint4 kv[HD / 8];
-    if (DECODE) KeyTile<HD>::template load<true>(kbase, lo, cached_hi, kv);
+    if (DECODE) KeyTile<HD>::template load<true>(keys, lo, cached_hi, kv);
     grid_dependency_sync();
 
     // Every load (q, and the step's own key and value) before any store, so they make one trip to L2 together:
@@ -365,20 +394,20 @@ __device__ __forceinline__ void attend_split(const float* __restrict__ q, long q
         qv[i] = (DECODE ? rotated(qr, d, nt.rot, nt.neox, nt.cos, nt.sin) : qr[d]) * scale_log2;
     }
     const bool own = DECODE && lo <= pos && pos < hi;  // the split holding the step's own token
-    NewKV<HD> nkv;
+    NewKV<HD, Q8> nkv;
     if (own) nkv.load(nt);
 #pragma unroll
     for (int i = 0; i < HD / 32; ++i) qs[warp][lane + 32 * i] = qv[i];
     if (own) nkv.store(nt);
     __syncwarp();
-    warp_attend<HD, DECODE>(qs[warp], kbase, vbase, lo, cached_hi, kv, acc, m, l);
+    warp_attend<HD, DECODE>(qs[warp], keys, values, lo, cached_hi, kv, acc, m, l);
     if (own) nkv.attend(qs[warp], acc, m, l);
 }
 
-template <int HD>
+template <int HD, bool Q8>
 __device__ __forceinline__ void attention_partial_impl(const float* __restrict__ q, long q_stride,
-                                                       const u16* __restrict__ k_cache,
-                                                       const u16* __restrict__ v_cache, int max_tokens,
+                                                       const void* k_cache, const void* v_cache,
+                                                       const u16* k_scale, const u16* v_scale, int max_tokens,
                                                        int n_heads, int n_kv, const int* __restrict__ start, int n,
                                                        int window, float scale_log2, int wpq,
                                                        float* __restrict__ part, u32* done, float* out,
@@ -390,8 +419,8 @@ __device__ __forceinline__ void attention_partial_impl(const float* __restrict__
     const int split = blockIdx.z * wpq + warp % wpq;
     if (qi >= n) return;
     float acc[HD / 32], m, l;
-    attend_split<HD, false>(q, q_stride, k_cache, v_cache, max_tokens, n_heads, n_kv, start, n, window,
-                            scale_log2, qi, head, split, n_splits, NewToken{}, acc, m, l);
+    attend_split<HD, false, Q8>(q, q_stride, k_cache, v_cache, k_scale, v_scale, max_tokens, n_heads, n_kv, start, n,
+                                window, scale_log2, qi, head, split, n_splits, NewToken{}, acc, m, l);
     float* mine = part + (((long)qi * n_heads + head) * n_splits + split) * (HD + 2);
 #pragma unroll
     for (int c = 0; c < HD / 64; ++c)
@@ -416,17 +445,20 @@ __device__ __forceinline__ void attention_partial_impl(const float* __restrict__
                        (long)head * HD / 32);
 }
 
-#define ATTENTION_PARTIAL(HD)                                                                                  \
-    extern "C" __global__ void attention_partial_##HD(                                                        \
-        const float* q, long q_stride, const u16* k_cache, const u16* v_cache, int max_tokens, int n_heads,  \
-        int n_kv, const int* start, int n, int window, float scale_log2, int wpq, float* part, u32* done,    \
-        float* out, signed char* xq, signed char* xq2, float2* xds) {                                         \
-        attention_partial_impl<HD>(q, q_stride, k_cache, v_cache, max_tokens, n_heads, n_kv, start, n, window, \
-                                   scale_log2, wpq, part, done, out, xq, xq2, xds);                            \
+// KV: the cache's form in the name (kernel_names.KV_SUFFIX: "" fp16, "_q8" q8_0); scales: q8_0's, else unused.
+#define ATTENTION_PARTIAL(HD, Q8, KV)                                                                          \
+    extern "C" __global__ void attention_partial_##HD##KV(                                                    \
+        const float* q, long q_stride, const void* k_cache, const void* v_cache, const u16* k_scale,         \
+        const u16* v_scale, int max_tokens, int n_heads, int n_kv, const int* start, int n, int window,      \
+        float scale_log2, int wpq, float* part, u32* done, float* out, signed char* xq, signed char* xq2,    \
+        float2* xds) {                                                                                         \
+        attention_partial_impl<HD, Q8>(q, q_stride, k_cache, v_cache, k_scale, v_scale, max_tokens, n_heads,  \
+                                       n_kv, start, n, window, scale_log2, wpq, part, done, out, xq, xq2, xds); \
     }
-ATTENTION_PARTIAL(64)
-ATTENTION_PARTIAL(128)
-ATTENTION_PARTIAL(256)
+#define ATTENTION_PARTIAL_KV(HD) ATTENTION_PARTIAL(HD, false, ) ATTENTION_PARTIAL(HD, true, _q8)
+ATTENTION_PARTIAL_KV(64)
+ATTENTION_PARTIAL_KV(128)
+ATTENTION_PARTIAL_KV(256)
 
 // Decode at depth: a block per (KV head, split of the keys) serves every query head of the group, so each key and
 // value row is read once a step rather than once per query head, and the splits (grid x) fill the GPU at any
@@ -438,12 +470,12 @@ ATTENTION_PARTIAL(256)
 // (combine_splits). The step's own token is rotated, stored and attended as in attention_decode.
 #define SPLIT_MIN_KEYS 128
 
-template <int HD, int G>
+template <int HD, int G, bool Q8>
 __device__ __forceinline__ void attention_decode_split_impl(
     const float* __restrict__ q, const float* k_new, const float* v_new, const float* cos_t, const float* sin_t,
-    int rot, int neox, u16* k_cache, u16* v_cache, int max_tokens, int n_heads, int n_kv, const int* start,
-    int window, float scale_log2, int kvh, int split, int n_splits, float* part, u32* done, float* out,
-    signed char* xq, signed char* xq2, float2* xds) {
+    int rot, int neox, void* k_cache, void* v_cache, u16* k_scale, u16* v_scale, int max_tokens, int n_heads,
+    int n_kv, const int* start, int window, float scale_log2, int kvh, int split, int n_splits, float* part, u32* done,
+    float* out, signed char* xq, signed char* xq2, float2* xds) {
     constexpr int WPL = HD / 64, VT = 8;
     __shared__ float qs[G][HD], wacc[4][G][HD], wm[4][G], wl[4][G];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -455,12 +487,12 @@ __device__ __forceinline__ void attention_decode_split_impl(
     const int active = (len + per - 1) / per;
     if (split >= active) return;
     const int lo = first + split * per, hi = min(lo + per, pos + 1), cached_hi = min(hi, pos);
-    const u16* kbase = k_cache + (long)kvh * max_tokens * HD;
-    const u16* vbase = v_cache + (long)kvh * max_tokens * HD;
+    const CacheRows<HD, Q8> keys(k_cache, k_scale, (long)kvh * max_tokens);
+    const CacheRows<HD, Q8> values(v_cache, v_scale, (long)kvh * max_tokens);
     // The cached rows are final before the kernel before this one runs: ask L2 for them while it finishes.
-    for (long off = 128L * threadIdx.x; off < (long)(cached_hi - lo) * HD * 2; off += 128L * blockDim.x) {
-        prefetch_l2_line(reinterpret_cast<const char*>(kbase + (long)lo * HD) + off);
-        prefetch_l2_line(reinterpret_cast<const char*>(vbase + (long)lo * HD) + off);
+    for (long off = 128L * threadIdx.x; off < (long)(cached_hi - lo) * keys.ROW_BYTES; off += 128L * blockDim.x) {
+        prefetch_l2_line(keys.row_bytes(lo) + off);
+        prefetch_l2_line(values.row_bytes(lo) + off);
     }
     grid_dependency_sync();
     const float* cos_p = cos_t + (long)pos * (rot / 2);
@@ -479,7 +511,7 @@ __device__ __forceinline__ void attention_decode_split_impl(
     }
     for (int j0 = lo + 32 * warp; j0 < cached_hi; j0 += 128) {
         uint4 kv[HD / 8];
-        KeyTile<HD>::load(kbase, j0, cached_hi, kv);
+        KeyTile<HD>::load(keys, j0, cached_hi, kv);
         float p[G];
 #pragma unroll
         for (int h = 0; h < G; ++h) {
@@ -503,9 +535,7 @@ __device__ __forceinline__ void attention_decode_split_impl(
             for (int t = 0; t < VT; ++t)
 #pragma unroll
                 for (int c = 0; c < WPL; ++c)
-                    vv[t][c] = jj + t < cnt
-                                   ? __ldg(reinterpret_cast<const u32*>(vbase + (long)(j0 + jj + t) * HD) + 32 * c + lane)
-                                   : 0u;
+                    vv[t][c] = jj + t < cnt ? values.load2(j0 + jj + t, 64 * c + 2 * lane) : 0u;
 #pragma unroll
             for (int h = 0; h < G; ++h) {
                 if (h >= group) break;
@@ -522,8 +552,8 @@ __device__ __forceinline__ void attention_decode_split_impl(
         }
     }
     if (warp == 0 && hi == pos + 1) {  // the split holding the step's own token
-        const NewKV<HD> nkv = NewKV<HD>::store_own(k_new, v_new, kvh, pos, cos_p, sin_p, rot, neox, k_cache, v_cache,
-                                                  max_tokens);
+        const NewKV<HD, Q8> nkv = NewKV<HD, Q8>::store_own(k_new, v_new, kvh, pos, cos_p, sin_p, rot, neox, k_cache,
+                                                          v_cache, k_scale, v_scale, max_tokens);
 #pragma unroll
         for (int h = 0; h < G; ++h)
             if (h < group) nkv.attend(qs[h], acc[h], m[h], l[h]);
@@ -548,22 +578,24 @@ __device__ __forceinline__ void attention_decode_split_impl(
     merge_group_splits(part, done, kvh, group, n_splits, active, HD, out, xq, xq2, xds);
 }
 
-#define ATTENTION_DECODE_SPLIT(HD, G)                                                                           \
-    extern "C" __global__ void __launch_bounds__(128) attention_decode_split_##HD##_g##G(                       \
+#define ATTENTION_DECODE_SPLIT(HD, G, Q8, KV)                                                                   \
+    extern "C" __global__ void __launch_bounds__(128) attention_decode_split_##HD##_g##G##KV(                   \
         const float* q, const float* k_new, const float* v_new, const float* cos_t, const float* sin_t, int rot, \
-        int neox, u16* k_cache, u16* v_cache, int max_tokens, int n_heads, int n_kv, const int* start,         \
-        int window, float scale_log2, float* part, u32* done, float* out, signed char* xq, signed char* xq2,   \
-        float2* xds) {                                                                                         \
-        attention_decode_split_impl<HD, G>(q, k_new, v_new, cos_t, sin_t, rot, neox, k_cache, v_cache,          \
-                                           max_tokens, n_heads, n_kv, start, window, scale_log2, blockIdx.y,    \
-                                           blockIdx.x, gridDim.x, part, done, out, xq, xq2, xds);               \
+        int neox, void* k_cache, void* v_cache, u16* k_scale, u16* v_scale, int max_tokens, int n_heads,       \
+        int n_kv, const int* start, int window, float scale_log2, float* part, u32* done, float* out,          \
+        signed char* xq, signed char* xq2, float2* xds) {                                                      \
+        attention_decode_split_impl<HD, G, Q8>(q, k_new, v_new, cos_t, sin_t, rot, neox, k_cache, v_cache,      \
+                                               k_scale, v_scale, max_tokens, n_heads, n_kv, start, window,      \
+                                               scale_log2, blockIdx.y, blockIdx.x, gridDim.x, part, done, out,  \
+                                               xq, xq2, xds);                                                   \
     }
-ATTENTION_DECODE_SPLIT(64, 4)
-ATTENTION_DECODE_SPLIT(64, 8)
-ATTENTION_DECODE_SPLIT(128, 4)
-ATTENTION_DECODE_SPLIT(128, 8)
-ATTENTION_DECODE_SPLIT(256, 4)
-ATTENTION_DECODE_SPLIT(256, 8)
+#define ATTENTION_DECODE_SPLIT_KV(HD, G) ATTENTION_DECODE_SPLIT(HD, G, false, ) ATTENTION_DECODE_SPLIT(HD, G, true, _q8)
+ATTENTION_DECODE_SPLIT_KV(64, 4)
+ATTENTION_DECODE_SPLIT_KV(64, 8)
+ATTENTION_DECODE_SPLIT_KV(128, 4)
+ATTENTION_DECODE_SPLIT_KV(128, 8)
+ATTENTION_DECODE_SPLIT_KV(256, 4)
+ATTENTION_DECODE_SPLIT_KV(256, 8)
 
 // Decode at depth on tensor cores (sm_80+): blocks of a KV head and a split of its keys as in
 // attention_decode_split (GQA groups of up to 16 query heads), but each warp streams its own key tiles of KT keys
@@ -589,16 +621,62 @@ __device__ __forceinline__ void warp_load_rows(u16* tile, const u16* __restrict_
     }
 }
 
-template <int D, int KT, int STAGES>
+// q8_0: rows j0 .. j0 + KT - 1's int8 values (KT D bytes), then their scales (D / 16 bytes a row) from the 16-byte
+// boundary at or before row j0's (KT D / 16 + 16 bytes, the first (j0 D / 16) % 16 of them earlier rows'), as the
+// cache holds them (each contiguous), into a warp's raw tile; rows from `end` on are zeros. A chunk of scales covers
+// 256 / D rows: the GPU backend's q8_0 caches hold a multiple of 8 positions, so no chunk reads past a KV head.
+template <int D, int KT>
+__device__ __forceinline__ void warp_load_q8(u8* raw, const CacheRows<D, true>& rows, int j0, int end) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int c = lane; c < KT * D / 16; c += 32) {
+        const int row = c / (D / 16);
+        const bool in = j0 + row < end;
+        copy16(raw + 16 * c, rows.data + (long)(in ? j0 + row : 0) * D + 16 * (c % (D / 16)), in);
+    }
+    const long first = (long)j0 * (D / 16) / 16 * 16;  // the head's scale bytes before the span
+    const char* scales = reinterpret_cast<const char*>(rows.scale);
+    for (int c = lane; c <= KT * D / 256; c += 32) {
+        const bool in = (first + 16 * c) / (D / 16) < end;
+        copy16(raw + KT * D + 16 * c, scales + (in ? first + 16 * c : 0), in);
+    }
+}
+
+// A raw q8_0 tile of rows from j0 on (warp_load_q8) as the fp16 tile the other form loads: rows padded to D + 8
+// halves.
+template <int D, int KT>
+__device__ __forceinline__ void warp_convert_q8(u16* tile, const u8* raw, int j0) {
+    const u16* scales = reinterpret_cast<const u16*>(raw + KT * D + (long)j0 * (D / 16) % 16);
+#pragma unroll
+    for (int c = threadIdx.x & 31; c < KT * D / 8; c += 32) {
+        const int row = c / (D / 8), col = 8 * (c % (D / 8));
+        const u32 s2 = both_halves(scales[row * (D / 32) + col / 32]);
+        const uint2 q = *reinterpret_cast<const uint2*>(raw + row * D + col);
+        *reinterpret_cast<uint4*>(tile + row * (D + 8) + col) = q8_half8(q, s2);
+    }
+}
+
+// The shared memory a warp of attention_decode_deep uses: STAGES x (keys, values), as fp16 tiles or raw q8_0 ones,
+// and for q8_0 the fp16 tiles it converts the current stage into (cuda._deep_kernel sizes the launch alike).
+template <int D, int KT, int STAGES, bool Q8>
+struct DeepTiles {
+    static constexpr int TILE = KT * (D + 8);       // halves of an fp16 tile
+    static constexpr int RAW = KT * D + KT * D / 16 + 16;  // bytes of a raw q8_0 tile
+    static constexpr int STAGE_BYTES = Q8 ? 2 * RAW : 4 * TILE;
+    static constexpr int WARP_BYTES = STAGES * STAGE_BYTES + (Q8 ? 4 * TILE : 0);
+};
+
+template <int D, int KT, int STAGES, bool Q8>
 __device__ __forceinline__ void attention_decode_deep_impl(
     const float* __restrict__ q, const float* k_new, const float* v_new, const float* cos_t, const float* sin_t,
-    int rot, int neox, u16* k_cache, u16* v_cache, int max_tokens, int n_heads, int n_kv, const int* start,
-    int window, float scale_log2, int kvh, int split, int n_splits, float* part, u32* done, float* out,
-    signed char* xq, signed char* xq2, float2* xds) {
-    constexpr int ROW = D + 8, TILE = KT * ROW, DK = D / 16, DN = D / 8, KN = KT / 8, UNIT = DEEP_WARPS * KT;
+    int rot, int neox, void* k_cache, void* v_cache, u16* k_scale, u16* v_scale, int max_tokens, int n_heads,
+    int n_kv, const int* start, int window, float scale_log2, int kvh, int split, int n_splits, float* part,
+    u32* done, float* out, signed char* xq, signed char* xq2, float2* xds) {
+    using Smem = DeepTiles<D, KT, STAGES, Q8>;
+    constexpr int ROW = D + 8, TILE = Smem::TILE, DK = D / 16, DN = D / 8, KN = KT / 8, UNIT = DEEP_WARPS * KT;
     static_assert(DEEP_WARPS == 4, "store_block_partial merges 4 warps");
-    static_assert(DEEP_WARPS * STAGES * 2 * TILE * 2 >= DEEP_WARPS * 16 * D * 4, "the merge reuses the tiles");
-    extern __shared__ __align__(16) u16 tiles[];  // warp w: STAGES x (keys, values) from tiles + w STAGES 2 TILE
+    static_assert(Smem::WARP_BYTES >= 16 * D * 4, "the merge reuses the tiles");
+    extern __shared__ __align__(16) u8 smem[];  // warp w's from smem + w WARP_BYTES
     __shared__ __align__(16) float qs[16][D];
     __shared__ float wm[DEEP_WARPS][16], wl[DEEP_WARPS][16], own_s[16], own_v[D];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -609,17 +687,23 @@ __device__ __forceinline__ void attention_decode_deep_impl(
     const int active = (len + per - 1) / per;
     if (split >= active) return;
     const int lo = first + split * per, hi = min(lo + per, pos + 1), cached_hi = min(hi, pos);
-    const u16* kbase = k_cache + (long)kvh * max_tokens * D;
-    const u16* vbase = v_cache + (long)kvh * max_tokens * D;
-    u16* mine = tiles + warp * STAGES * 2 * TILE;
+    const CacheRows<D, Q8> keys(k_cache, k_scale, (long)kvh * max_tokens);
+    const CacheRows<D, Q8> values(v_cache, v_scale, (long)kvh * max_tokens);
+    u8* mine = smem + warp * Smem::WARP_BYTES;
     // The warp's tile i: keys lo + (warp + DEEP_WARPS i) KT .., in buffer i % STAGES. Every call commits a group
     // (empty past the range), so waiting for all but the newest STAGES - 1 groups always means tile i landed.
     auto fetch = [&](int i) {
         const int j0 = lo + (warp + DEEP_WARPS * i) * KT;
         if (j0 < cached_hi) {
-            u16* buf = mine + (i % STAGES) * 2 * TILE;
-            warp_load_rows<D, KT>(buf, kbase, j0, cached_hi);
-            warp_load_rows<D, KT>(buf + TILE, vbase, j0, cached_hi);
+            u8* buf = mine + (i % STAGES) * Smem::STAGE_BYTES;
+            if constexpr (Q8) {
+                warp_load_q8<D, KT>(buf, keys, j0, cached_hi);
+                warp_load_q8<D, KT>(buf + Smem::RAW, values, j0, cached_hi);
+            } else {
+                u16* tile = reinterpret_cast<u16*>(buf);
+                warp_load_rows<D, KT>(tile, reinterpret_cast<const u16*>(keys.data), j0, cached_hi);
+                warp_load_rows<D, KT>(tile + TILE, reinterpret_cast<const u16*>(values.data), j0, cached_hi);
+            }
         }
         copies_commit();
     };
@@ -651,9 +735,17 @@ __device__ __forceinline__ void attention_decode_deep_impl(
         fetch(i + STAGES - 1);
         copies_wait<STAGES - 1>();
         __syncwarp();  // every lane's copies of tile i are visible to the warp
-        const u16* ks = mine + (i % STAGES) * 2 * TILE;
-        const u16* vs = ks + TILE;
         const int j0 = lo + (warp + DEEP_WARPS * i) * KT;
+        const u8* stage = mine + (i % STAGES) * Smem::STAGE_BYTES;
+        const u16* ks = reinterpret_cast<const u16*>(stage);
+        if constexpr (Q8) {
+            u16* converted = reinterpret_cast<u16*>(mine + STAGES * Smem::STAGE_BYTES);
+            warp_convert_q8<D, KT>(converted, stage, j0);
+            warp_convert_q8<D, KT>(converted + TILE, stage + Smem::RAW, j0);
+            __syncwarp();
+            ks = converted;
+        }
+        const u16* vs = ks + TILE;
         float s[KN][4];
         tile_scores<D, KT>(qa, ks, ROW, s);
         // s[nb][2 h + e]: row g + 8 h, key j0 + 8 nb + 2 t + e; every tile holds a key below cached_hi.
@@ -678,7 +770,7 @@ __device__ __forceinline__ void attention_decode_deep_impl(
         l[h] += __shfl_xor_sync(0xFFFFFFFFu, l[h], 2);
     }
     __syncthreads();
-    float* wacc = reinterpret_cast<float*>(tiles);  // [DEEP_WARPS][16][D]
+    float* wacc = reinterpret_cast<float*>(smem);  // [DEEP_WARPS][16][D]
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int r = g + 8 * h;
@@ -693,8 +785,8 @@ __device__ __forceinline__ void attention_decode_deep_impl(
     }
     const bool own = hi == pos + 1;  // the split holding the step's own token
     if (own && warp == 0) {
-        const NewKV<D> nkv = NewKV<D>::store_own(k_new, v_new, kvh, pos, cos_p, sin_p, rot, neox, k_cache, v_cache,
-                                                max_tokens);
+        const NewKV<D, Q8> nkv = NewKV<D, Q8>::store_own(k_new, v_new, kvh, pos, cos_p, sin_p, rot, neox, k_cache,
+                                                        v_cache, k_scale, v_scale, max_tokens);
         for (int h = 0; h < group; ++h) {
             float dot = 0.0f;
 #pragma unroll
@@ -717,27 +809,30 @@ __device__ __forceinline__ void attention_decode_deep_impl(
     merge_group_splits(part, done, kvh, group, n_splits, active, D, out, xq, xq2, xds);
 }
 
-// NAME: kernel_names.deep_decode's; the shared memory the launch asks for: cuda.deep_decode_shared_bytes.
-#define ATTENTION_DECODE_DEEP(D, KT, STAGES, NAME)                                                              \
+// NAME: kernel_names.deep_decode's; the shared memory the launch asks for: cuda._deep_kernel's.
+#define ATTENTION_DECODE_DEEP(D, KT, STAGES, Q8, NAME)                                                          \
     extern "C" __global__ void __launch_bounds__(32 * DEEP_WARPS) NAME(                                        \
         const float* q, const float* k_new, const float* v_new, const float* cos_t, const float* sin_t, int rot, \
-        int neox, u16* k_cache, u16* v_cache, int max_tokens, int n_heads, int n_kv, const int* start,         \
-        int window, float scale_log2, float* part, u32* done, float* out, signed char* xq, signed char* xq2,   \
-        float2* xds) {                                                                                         \
-        attention_decode_deep_impl<D, KT, STAGES>(q, k_new, v_new, cos_t, sin_t, rot, neox, k_cache, v_cache,   \
-                                                  max_tokens, n_heads, n_kv, start, window, scale_log2,         \
-                                                  blockIdx.y, blockIdx.x, gridDim.x, part, done, out, xq, xq2,  \
-                                                  xds);                                                         \
+        int neox, void* k_cache, void* v_cache, u16* k_scale, u16* v_scale, int max_tokens, int n_heads,       \
+        int n_kv, const int* start, int window, float scale_log2, float* part, u32* done, float* out,          \
+        signed char* xq, signed char* xq2, float2* xds) {                                                      \
+        attention_decode_deep_impl<D, KT, STAGES, Q8>(q, k_new, v_new, cos_t, sin_t, rot, neox, k_cache,        \
+                                                      v_cache, k_scale, v_scale, max_tokens, n_heads, n_kv,     \
+                                                      start, window, scale_log2, blockIdx.y, blockIdx.x,        \
+                                                      gridDim.x, part, done, out, xq, xq2, xds);                \
     }
-ATTENTION_DECODE_DEEP(64, 64, 2, attention_decode_deep_64)
-ATTENTION_DECODE_DEEP(128, 32, 2, attention_decode_deep_128)
-ATTENTION_DECODE_DEEP(256, 16, 2, attention_decode_deep_256)
+ATTENTION_DECODE_DEEP(64, 64, 2, false, attention_decode_deep_64)
+ATTENTION_DECODE_DEEP(128, 32, 2, false, attention_decode_deep_128)
+ATTENTION_DECODE_DEEP(256, 16, 2, false, attention_decode_deep_256)
+ATTENTION_DECODE_DEEP(64, 64, 2, true, attention_decode_deep_64_q8)
+ATTENTION_DECODE_DEEP(128, 32, 2, true, attention_decode_deep_128_q8)
+ATTENTION_DECODE_DEEP(256, 16, 2, true, attention_decode_deep_256_q8)
 #ifdef SWEEP_KERNELS
 // Tile sizes and depths of the pipeline only bench/bench_attention.py launches (kernel_names.DEEP_SWEEP).
-ATTENTION_DECODE_DEEP(128, 16, 2, attention_decode_deep_128_kt16_s2)
-ATTENTION_DECODE_DEEP(128, 16, 3, attention_decode_deep_128_kt16_s3)
-ATTENTION_DECODE_DEEP(128, 16, 4, attention_decode_deep_128_kt16_s4)
-ATTENTION_DECODE_DEEP(128, 32, 3, attention_decode_deep_128_kt32_s3)
+ATTENTION_DECODE_DEEP(128, 16, 2, false, attention_decode_deep_128_kt16_s2)
+ATTENTION_DECODE_DEEP(128, 16, 3, false, attention_decode_deep_128_kt16_s3)
+ATTENTION_DECODE_DEEP(128, 16, 4, false, attention_decode_deep_128_kt16_s4)
+ATTENTION_DECODE_DEEP(128, 32, 3, false, attention_decode_deep_128_kt32_s3)
 #endif
 
 #if __CUDA_ARCH__ >= 900
@@ -759,10 +854,11 @@ __device__ __forceinline__ void st_cluster(float* p, u32 rank, float v) {
     asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(addr), "f"(v) : "memory");
 }
 
-template <int HD>
+template <int HD, bool Q8>
 __device__ __forceinline__ void attention_decode_impl(const float* q, const float* k_new, const float* v_new,
                                                       const float* cos_t, const float* sin_t, int rot, int neox,
-                                                      u16* k_cache, u16* v_cache, int max_tokens, int n_heads,
+                                                      void* k_cache, void* v_cache, u16* k_scale, u16* v_scale,
+                                                      int max_tokens, int n_heads,
                                                       int n_kv, const int* start, int window, float scale_log2,
                                                       float* out, signed char* xq, signed char* xq2, float2* xds) {
     constexpr int N_SPLITS = 4 * ATTN_CLUSTER;
@@ -775,17 +871,15 @@ __device__ __forceinline__ void attention_decode_impl(const float* q, const floa
     const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
     const int head = blockIdx.x;
     const int group = n_heads / n_kv, kvh = head / group, pos = start[0];
-    const long row = ((long)kvh * max_tokens + pos) * HD;
-    const bool store = head % group == 0;
-    const NewToken nt = {k_new + (long)kvh * HD, v_new + (long)kvh * HD, cos_t + (long)pos * (rot / 2),
-                         sin_t + (long)pos * (rot / 2), rot, neox, store ? k_cache + row : nullptr,
-                         store ? v_cache + row : nullptr};
+    const NewToken nt = NewKV<HD, Q8>::token(k_new, v_new, kvh, pos, cos_t + (long)pos * (rot / 2),
+                                             sin_t + (long)pos * (rot / 2), rot, neox, k_cache, v_cache, k_scale,
+                                             v_scale, max_tokens, head % group == 0);
     u32 rank;
     asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
     const int split = 4 * rank + warp;
     float acc[HD / 32], m, l;
-    attend_split<HD, true>(q, 0, k_cache, v_cache, max_tokens, n_heads, n_kv, start, 1, window, scale_log2, 0,
-                           head, split, N_SPLITS, nt, acc, m, l);
+    attend_split<HD, true, Q8>(q, 0, k_cache, v_cache, k_scale, v_scale, max_tokens, n_heads, n_kv, start, 1,
+                               window, scale_log2, 0, head, split, N_SPLITS, nt, acc, m, l);
     cluster_wait();
     // acc[2 c + e] is dim 64 c + 2 lane + e (warp_attend): dims 32 r .. 32 r + 31 belong to block r = 2 c + lane / 16.
 #pragma unroll
@@ -804,17 +898,20 @@ __device__ __forceinline__ void attention_decode_impl(const float* q, const floa
     if (xq != nullptr) quantize_group(o, (long)head * HD / 32 + rank, xq, xq2, xds);
 }
 
-#define ATTENTION_DECODE(HD)                                                                                   \
-    extern "C" __global__ void __cluster_dims__(1, 1, ATTN_CLUSTER) attention_decode_##HD(                    \
+#define ATTENTION_DECODE(HD, Q8, KV)                                                                           \
+    extern "C" __global__ void __cluster_dims__(1, 1, ATTN_CLUSTER) attention_decode_##HD##KV(                \
         const float* q, const float* k_new, const float* v_new, const float* cos_t, const float* sin_t, int rot, \
-        int neox, u16* k_cache, u16* v_cache, int max_tokens, int n_heads, int n_kv, const int* start,         \
-        int window, float scale_log2, float* out, signed char* xq, signed char* xq2, float2* xds) {          \
-        attention_decode_impl<HD>(q, k_new, v_new, cos_t, sin_t, rot, neox, k_cache, v_cache, max_tokens,      \
-                                  n_heads, n_kv, start, window, scale_log2, out, xq, xq2, xds);               \
+        int neox, void* k_cache, void* v_cache, u16* k_scale, u16* v_scale, int max_tokens, int n_heads,       \
+        int n_kv, const int* start, int window, float scale_log2, float* out, signed char* xq, signed char* xq2, \
+        float2* xds) {                                                                                         \
+        attention_decode_impl<HD, Q8>(q, k_new, v_new, cos_t, sin_t, rot, neox, k_cache, v_cache, k_scale,      \
+                                      v_scale, max_tokens, n_heads, n_kv, start, window, scale_log2, out, xq,   \
+                                      xq2, xds);                                                               \
     }
-ATTENTION_DECODE(64)
-ATTENTION_DECODE(128)
-ATTENTION_DECODE(256)
+#define ATTENTION_DECODE_KV(HD) ATTENTION_DECODE(HD, false, ) ATTENTION_DECODE(HD, true, _q8)
+ATTENTION_DECODE_KV(64)
+ATTENTION_DECODE_KV(128)
+ATTENTION_DECODE_KV(256)
 #endif
 
 // One block per (query, head), one thread per dim (prompt chunks: a query's splits are its warps).

@@ -529,14 +529,24 @@ def add_rms_norm(x: Any, residual: Any, w: Any, eps: float, out: Any, q8: Q8 | N
     launch("norms", "add_rms_norm", (n,), (threads,), (x, residual, w, out, i32(d), f32(eps), *q8_args(q8)))
 
 
-def rope_store_kv(q, k, v, cos, sin, neox: bool, k_cache, v_cache, start) -> None:
-    """q (n, H, hd), k, v (n, KV, hd) strided views; k_cache/v_cache one layer's (KV, max_tokens, hd) fp16."""
+def _cache(k_cache, v_cache, scales) -> tuple[str, tuple]:
+    """One layer's KV cache as the kernels take it: its form (a KV_CACHE_TYPES name) and the arguments: the rows
+    (KV, max_tokens, hd), fp16 or int8, then a q8_0 cache's scales (KV, max_tokens, hd / 32) or null pointers.
+    scales: (k_scale, v_scale) of a q8_0 cache, else None."""
+    if scales is None:
+        return "full", (k_cache, v_cache, np.uintp(0), np.uintp(0))
+    return "q8_0", (k_cache, v_cache, *scales)
+
+
+def rope_store_kv(q, k, v, cos, sin, neox: bool, k_cache, v_cache, start, scales=None) -> None:
+    """q (n, H, hd), k, v (n, KV, hd) strided views; k_cache/v_cache one layer's (KV, max_tokens, hd) (_cache)."""
     n, n_heads, hd = q.shape
     n_kv = k.shape[1]
     rot = 2 * cos.shape[1]
-    launch("rope", "rope_store_kv", (n, n_heads + n_kv), (hd,),
+    kv, cache = _cache(k_cache, v_cache, scales)
+    launch("rope", N.rope_store(kv), (n, n_heads + n_kv), (hd,),
            (q, k, v, i64(q.strides[0] // 4), i64(k.strides[0] // 4), i64(v.strides[0] // 4), i32(n_heads), i32(n_kv),
-            i32(hd), i32(rot), cos, sin, i32(1 if neox else 0), k_cache, v_cache, i32(k_cache.shape[1]), start))
+            i32(hd), i32(rot), cos, sin, i32(1 if neox else 0), *cache, i32(k_cache.shape[1]), start))
 
 
 def attention_splits(n: int) -> tuple[int, int]:
@@ -551,15 +561,16 @@ def cluster_decode_attention() -> bool:
 
 
 def attention_decode(q, k, v, cos, sin, neox: bool, k_cache, v_cache, start, out, scale: float, window: int,
-                     q8: Q8 | None = None) -> None:
+                     q8: Q8 | None = None, scales=None) -> None:
     """One token's rope_store_kv and attention in one kernel with no scratch: q (1, H, hd), k, v (1, KV, hd)
     strided views, as the QKV projection left them (neither is rotated in place); out (1, H*hd). Each head's
     ATTN_Z_SPLITS blocks are one cluster (attention.cu ATTN_CLUSTER), which merges their 32 splits, and with q8
     also quantizes the output for the output projection. Needs cluster_decode_attention()."""
     _, n_heads, hd = q.shape
     n_kv, max_tokens = k_cache.shape[0], k_cache.shape[1]
-    launch("attention", N.per_head_dim("attention_decode", hd), (n_heads, 1, ATTN_Z_SPLITS), (128,),
-           (q, k, v, cos, sin, i32(2 * cos.shape[1]), i32(1 if neox else 0), k_cache, v_cache, i32(max_tokens),
+    kv, cache = _cache(k_cache, v_cache, scales)
+    launch("attention", N.per_head_dim("attention_decode", hd, kv), (n_heads, 1, ATTN_Z_SPLITS), (128,),
+           (q, k, v, cos, sin, i32(2 * cos.shape[1]), i32(1 if neox else 0), *cache, i32(max_tokens),
             i32(n_heads), i32(n_kv), start, i32(window), f32(scale * LOG2_E), out, *q8_args(q8)))
 
 
@@ -584,20 +595,25 @@ def deep_decode(position: int) -> bool:
     return cluster_decode_attention() and position >= DEEP_DECODE_KEYS
 
 
-def decode_attention_form(n_heads: int, n_kv: int, max_tokens: int, deep: bool) -> str:
+def decode_attention_form(n_heads: int, n_kv: int, max_tokens: int, deep: bool, kv: str = "full") -> str:
     """Which kernel a decode step's attention runs: "deep" (attention_decode_deep: tensor cores, GQA groups of at
     most 16) or "split" (attention_decode_split, without tensor cores, groups of at most 8) for a deep step on
     sm_90+ (deep_decode) or, before sm_90, for caches of at least SPLIT_CONTEXT positions; else "cluster"
-    (attention_decode, sm_90+) or "partial" (attention's two-kernel form)."""
+    (attention_decode, sm_90+) or "partial" (attention's two-kernel form). A q8_0 cache (kv) takes the deep kernel
+    at every depth where it runs: it converts whole tiles in shared memory, where the others convert each row they
+    read (8B shape on an H100: 12.29 us against the cluster kernel's 17.19 at 511 keys, 9.99 against 9.54 at the
+    first position; bench/results/2026-12-05_s9call2_kvq8_attention.jsonl)."""
     group = n_heads // n_kv
     split = "deep" if mma_capable() and group <= 16 else "split" if group <= 8 else None
+    if kv == "q8_0" and split == "deep":
+        return split
     if cluster_decode_attention():
         return split if deep and split else "cluster"
     return split if split and max_tokens >= SPLIT_CONTEXT else "partial"
 
 
 def attention_decode_split(q, k, v, cos, sin, neox: bool, k_cache, v_cache, start, out, scale: float, window: int,
-                           part, done, q8: Q8 | None = None, splits: int | None = None) -> None:
+                           part, done, q8: Q8 | None = None, splits: int | None = None, scales=None) -> None:
     """attention_decode's work (one token's rotary embedding, cache write and attention) by blocks of a KV head
     and a split of its keys, each serving the head's whole GQA group (at most 8 query heads): part, float32
     scratch of H*splits*(hd+2); done = counters(KV). splits: decode_splits by default."""
@@ -605,18 +621,23 @@ def attention_decode_split(q, k, v, cos, sin, neox: bool, k_cache, v_cache, star
     n_kv, max_tokens = k_cache.shape[0], k_cache.shape[1]
     g = 4 if n_heads // n_kv <= 4 else 8
     splits = splits or decode_splits(max_tokens, n_kv)
-    launch("attention", N.per_group("attention_decode_split", hd, g), (splits, n_kv), (128,),
-           (q, k, v, cos, sin, i32(2 * cos.shape[1]), i32(1 if neox else 0), k_cache, v_cache, i32(max_tokens),
+    kv, cache = _cache(k_cache, v_cache, scales)
+    launch("attention", N.per_group("attention_decode_split", hd, g, kv), (splits, n_kv), (128,),
+           (q, k, v, cos, sin, i32(2 * cos.shape[1]), i32(1 if neox else 0), *cache, i32(max_tokens),
             i32(n_heads), i32(n_kv), start, i32(window), f32(scale * LOG2_E), part, done, out, *q8_args(q8)))
 
 
 @functools.cache
-def _deep_kernel(hd: int, tiles: tuple[int, int]) -> tuple[str, int, int]:
+def _deep_kernel(hd: int, tiles: tuple[int, int], kv: str = "full") -> tuple[str, int, int]:
     """(name, dynamic shared bytes, blocks a multiprocessor holds) of attention_decode_deep with these tiles; the
     kernel is allowed its shared memory (above the default 48 KB) here, once."""
-    name = N.deep_decode(hd, tiles)
+    name = N.deep_decode(hd, tiles, kv)
     kt, stages = tiles
-    shared = DEEP_WARPS * stages * 2 * kt * (hd + 8) * 2  # each warp's buffers of keys and values, padded rows
+    tile = kt * (hd + 8) * 2  # keys or values as fp16 rows, padded
+    if kv == "full":
+        shared = DEEP_WARPS * stages * 2 * tile  # each warp's buffers of keys and values
+    else:  # each warp's buffers of q8_0 keys and values (values, then scales), and the fp16 tiles they become
+        shared = DEEP_WARPS * (stages * 2 * (kt * hd + kt * hd // 16 + 16) + 2 * tile)
     fn = kernel("attention", name)
     fn.max_dynamic_shared_size_bytes = shared
     per_sm = cupy.cuda.Device().attributes["MaxSharedMemoryPerMultiprocessor"]
@@ -624,19 +645,20 @@ def _deep_kernel(hd: int, tiles: tuple[int, int]) -> tuple[str, int, int]:
     return name, shared, max(1, per_sm // per_block)
 
 
-def deep_decode_splits(max_tokens: int, n_kv: int, hd: int, tiles: tuple[int, int] | None = None) -> int:
+def deep_decode_splits(max_tokens: int, n_kv: int, hd: int, tiles: tuple[int, int] | None = None,
+                       kv: str = "full") -> int:
     """Splits of each KV head's keys for attention_decode_deep: at most one wave of the blocks the GPU holds at
     once (a block past it doubled the time: 65.8 us against 48.1 at 32K keys, 8B shape, H200) at the deepest
     position the cache holds, each split at least a tile per warp (fewer are active at shallower positions)."""
     tiles = tiles or N.DEEP_TILES[hd]
-    _, _, resident = _deep_kernel(hd, tiles)
+    _, _, resident = _deep_kernel(hd, tiles, kv)
     sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
     return max(1, min(MAX_SPLITS, _blocks(max_tokens, DEEP_WARPS * tiles[0]), resident * sms // n_kv))
 
 
 def attention_decode_deep(q, k, v, cos, sin, neox: bool, k_cache, v_cache, start, out, scale: float, window: int,
                           part, done, q8: Q8 | None = None, splits: int | None = None,
-                          tiles: tuple[int, int] | None = None) -> None:
+                          tiles: tuple[int, int] | None = None, scales=None) -> None:
     """attention_decode_split's work on tensor cores with each warp's keys and values streamed through shared
     memory (sm_80+, GQA groups of at most 16): part, float32 scratch of H*splits*(hd+2); done = counters(KV).
     splits: deep_decode_splits by default; tiles: (keys a warp's tile, stages), kernel_names.DEEP_TILES' by
@@ -644,10 +666,11 @@ def attention_decode_deep(q, k, v, cos, sin, neox: bool, k_cache, v_cache, start
     _, n_heads, hd = q.shape
     n_kv, max_tokens = k_cache.shape[0], k_cache.shape[1]
     tiles = tiles or N.DEEP_TILES[hd]
-    name, shared, _ = _deep_kernel(hd, tiles)
-    splits = splits or deep_decode_splits(max_tokens, n_kv, hd, tiles)
+    kv, cache = _cache(k_cache, v_cache, scales)
+    name, shared, _ = _deep_kernel(hd, tiles, kv)
+    splits = splits or deep_decode_splits(max_tokens, n_kv, hd, tiles, kv)
     launch("attention", name, (splits, n_kv), (32 * DEEP_WARPS,),
-           (q, k, v, cos, sin, i32(2 * cos.shape[1]), i32(1 if neox else 0), k_cache, v_cache, i32(max_tokens),
+           (q, k, v, cos, sin, i32(2 * cos.shape[1]), i32(1 if neox else 0), *cache, i32(max_tokens),
             i32(n_heads), i32(n_kv), start, i32(window), f32(scale * LOG2_E), part, done, out, *q8_args(q8)),
            shared_mem=shared)
 
@@ -659,7 +682,7 @@ def counters(n: int) -> Any:
 
 
 def attention(q, k_cache, v_cache, start, out, scale: float, window: int, part, q8: Q8 | None = None,
-              done: Any = None) -> None:
+              done: Any = None, scales=None) -> None:
     """q (n, H, hd) strided view; out (n, H*hd); part: float32 scratch of n*H*splits*(hd+2) (attention_splits).
     One query (decode) needs done = counters(H): each head's last block merges its splits, and with q8 also
     quantizes the output there for the output projection. A chunk's splits are merged by a second kernel."""
@@ -667,8 +690,9 @@ def attention(q, k_cache, v_cache, start, out, scale: float, window: int, part, 
     n_kv, max_tokens = k_cache.shape[0], k_cache.shape[1]
     z, wpq = attention_splits(n)
     decode = (done, out, *q8_args(q8)) if n == 1 else (np.uintp(0),) * 5
-    launch("attention", N.per_head_dim("attention_partial", hd), (n_heads, _blocks(n, 4 // wpq), z), (128,),
-           (q, i64(q.strides[0] // 4), k_cache, v_cache, i32(max_tokens), i32(n_heads), i32(n_kv), start,
+    kv, cache = _cache(k_cache, v_cache, scales)
+    launch("attention", N.per_head_dim("attention_partial", hd, kv), (n_heads, _blocks(n, 4 // wpq), z), (128,),
+           (q, i64(q.strides[0] // 4), *cache, i32(max_tokens), i32(n_heads), i32(n_kv), start,
             i32(n), i32(window), f32(scale * LOG2_E), i32(wpq), part, *decode))
     if n > 1:
         launch("attention", "attention_combine", (n, n_heads), (32 * _blocks(hd, 32),),
@@ -685,15 +709,16 @@ def flash_attention_capable(n_heads: int, n_kv: int) -> bool:
     return mma_capable() and n_heads // n_kv <= FLASH_ROWS
 
 
-def flash_attention(q, k_cache, v_cache, start, out, scale: float, window: int) -> None:
+def flash_attention(q, k_cache, v_cache, start, out, scale: float, window: int, scales=None) -> None:
     """A prompt chunk's attention in one kernel with no scratch: q (n, H, hd) strided view (rows 8-byte aligned),
     its keys and values already in the cache (rope_store_kv); out (n, H*hd), rows 8-byte aligned. One block per
     KV head and FLASH_ROWS // group tokens. Needs flash_attention_capable."""
     n, n_heads, hd = q.shape
     n_kv, max_tokens = k_cache.shape[0], k_cache.shape[1]
     tokens = FLASH_ROWS // (n_heads // n_kv)
-    launch("flash_attention", N.per_head_dim("flash_attention", hd), (_blocks(n, tokens), n_kv), (128,),
-           (q, i64(q.strides[0] // 4), k_cache, v_cache, i32(max_tokens), i32(n_heads), i32(n_kv), start, i32(n),
+    kv, cache = _cache(k_cache, v_cache, scales)
+    launch("flash_attention", N.per_head_dim("flash_attention", hd, kv), (_blocks(n, tokens), n_kv), (128,),
+           (q, i64(q.strides[0] // 4), *cache, i32(max_tokens), i32(n_heads), i32(n_kv), start, i32(n),
             i32(window), f32(scale * LOG2_E), out, i64(out.strides[0] // 4)))
 
 

@@ -51,6 +51,9 @@ DEEP_TILES = {64: (64, 2), 128: (32, 2), 256: (16, 2)}
 DEEP_SWEEP = {128: ((16, 2), (16, 3), (16, 4), (32, 3))}
 # The gated delta rule (hybrid.cu) is built per key head size, which sets the registers its state takes.
 DELTA_KEY_DIMS = (16, 32, 64, 128)
+# The attention kernels and rope_store_kv are built for each form of the KV cache (engine.backend.KV_CACHE_TYPES):
+# the name's suffix.
+KV_SUFFIX = {"full": "", "q8_0": "_q8"}
 # Decode attention built per head size and query slots a block (the GQA group, rounded up to 4 or 8): kind ->
 # (module, oldest capability, head size -> slots).
 PER_GROUP = {"attention_decode_split": ("attention", 75, {hd: (4, 8) for hd in HEAD_DIMS})}
@@ -97,26 +100,36 @@ def delta_rule(key_dim: int) -> str:
     return f"gated_delta_net_{key_dim}"
 
 
-def per_head_dim(kind: str, head_dim: int) -> str:
+def _kv(kv: str) -> str:
+    if kv not in KV_SUFFIX:
+        raise ValueError(f"no attention kernels for a {kv!r} KV cache")
+    return KV_SUFFIX[kv]
+
+
+def rope_store(kv: str = "full") -> str:
+    return f"rope_store_kv{_kv(kv)}"
+
+
+def per_head_dim(kind: str, head_dim: int, kv: str = "full") -> str:
     if kind not in PER_HEAD_DIM or head_dim not in HEAD_DIMS:
         raise ValueError(f"{kind} has no kernel for heads of {head_dim}")
-    return f"{kind}_{head_dim}"
+    return f"{kind}_{head_dim}{_kv(kv)}"
 
 
-def deep_decode(head_dim: int, tiles: tuple[int, int] | None = None) -> str:
-    """attention_decode_deep's name for this head size with DEEP_TILES' tiles or, for a sweep, other ones."""
-    base = per_head_dim("attention_decode_deep", head_dim)
+def deep_decode(head_dim: int, tiles: tuple[int, int] | None = None, kv: str = "full") -> str:
+    """attention_decode_deep's name for this head size with DEEP_TILES' tiles or, for a sweep (fp16 only), other
+    ones."""
     if tiles is None or tiles == DEEP_TILES[head_dim]:
-        return base
-    if tiles not in DEEP_SWEEP.get(head_dim, ()):
-        raise ValueError(f"attention_decode_deep has no kernel for heads of {head_dim} with tiles {tiles}")
-    return f"{base}_kt{tiles[0]}_s{tiles[1]}"
+        return per_head_dim("attention_decode_deep", head_dim, kv)
+    if tiles not in DEEP_SWEEP.get(head_dim, ()) or kv != "full":
+        raise ValueError(f"attention_decode_deep has no kernel for heads of {head_dim} with tiles {tiles} ({kv})")
+    return f"{per_head_dim('attention_decode_deep', head_dim)}_kt{tiles[0]}_s{tiles[1]}"
 
 
-def per_group(kind: str, head_dim: int, slots: int) -> str:
+def per_group(kind: str, head_dim: int, slots: int, kv: str = "full") -> str:
     if kind not in PER_GROUP or slots not in PER_GROUP[kind][2].get(head_dim, ()):
         raise ValueError(f"{kind} has no kernel for heads of {head_dim} with {slots} query slots")
-    return f"{kind}_{head_dim}_g{slots}"
+    return f"{kind}_{head_dim}_g{slots}{_kv(kv)}"
 
 
 def built(capability: int, sweep: bool = False) -> dict[str, set[str]]:
@@ -140,12 +153,13 @@ def built(capability: int, sweep: bool = False) -> dict[str, set[str]]:
     add("matmul", {grouped(kind, suffix) for kind in GROUPED_KINDS for suffix in _GROUPED_SUFFIXES})
     add("dequant", {dequant(t, half) for t in ALL_TYPES for half in (False, True)})
     add("hybrid", {delta_rule(dk) for dk in DELTA_KEY_DIMS})
+    add("rope", {rope_store(kv) for kv in KV_SUFFIX})
     for kind, (module, oldest) in PER_HEAD_DIM.items():
         if capability >= oldest:
-            add(module, {per_head_dim(kind, hd) for hd in HEAD_DIMS})
+            add(module, {per_head_dim(kind, hd, kv) for hd in HEAD_DIMS for kv in KV_SUFFIX})
     for kind, (module, oldest, slots) in PER_GROUP.items():
         if capability >= oldest:
-            add(module, {per_group(kind, hd, g) for hd, gs in slots.items() for g in gs})
+            add(module, {per_group(kind, hd, g, kv) for hd, gs in slots.items() for g in gs for kv in KV_SUFFIX})
     return names
 
 

@@ -382,3 +382,82 @@ __device__ __forceinline__ void quantize_group(float v, long g, signed char* xq,
     const int total = warp_sum_int(254 * (int)q + (int)q2);
     if (lane == 0) xds[g] = scale.ds(total);
 }
+
+// ---- the KV cache's rows: fp16, or q8_0 (half the bytes), for attention.cu, flash_attention.cu and rope.cu ----
+
+// Int8 values times their scale as fp16, in four instructions a pair: a byte biased to unsigned (u = q + 128) under
+// the byte 0x64 is the fp16 1024 + u (exact), 1152 taken off leaves q, and one fp16 product rounds q * scale once,
+// as f2h(q * scale) would. The pair: bytes 0 and 1 of w (HIGH: 2 and 3); s2: the scale's fp16 bits in both halves.
+template <bool HIGH = false>
+__device__ __forceinline__ u32 q8_pair(u32 w, u32 s2) {
+    u32 h = __byte_perm(w ^ 0x80808080u, 0x64646464u, HIGH ? 0x4342 : 0x4140);
+    asm("sub.f16x2 %0, %0, %1;" : "+r"(h) : "r"(0x64806480u));
+    asm("mul.f16x2 %0, %0, %1;" : "+r"(h) : "r"(s2));
+    return h;
+}
+
+__device__ __forceinline__ u32 both_halves(u16 h) { return h * 0x10001u; }
+
+// Eight int8 values times their scale, as four fp16 pairs.
+__device__ __forceinline__ uint4 q8_half8(uint2 q, u32 s2) {
+    return make_uint4(q8_pair(q.x, s2), q8_pair<true>(q.x, s2), q8_pair(q.y, s2), q8_pair<true>(q.y, s2));
+}
+
+// One KV head's keys or values as the cache holds them, row j at position j: fp16, or with Q8 q8_0 (int8 values
+// and, in `scale`, an fp16 scale for each 32 of them; a value is q * scale, read as fp16 like the others, so the
+// attention kernels compute on both alike). Rows are read 8 dims (4 fp16 pairs) or 2 dims (a pair) at a time.
+template <int HD, bool Q8>
+struct CacheRows {
+    static constexpr int ROW_BYTES = Q8 ? HD : 2 * HD;
+    const char* data;
+    const u16* scale;
+
+    __device__ CacheRows(const void* cache, const u16* scales, long first_row)
+        : data(reinterpret_cast<const char*>(cache) + first_row * ROW_BYTES),
+          scale(Q8 ? scales + first_row * (HD / 32) : nullptr) {}
+
+    // Dims col .. col + 7 of row j (col a multiple of 8). EARLY: an fp16 row's load before grid_dependency_sync.
+    template <bool EARLY = false>
+    __device__ uint4 load8(long j, int col) const {
+        if constexpr (Q8) {
+            return q8_half8(__ldg(reinterpret_cast<const uint2*>(data + j * HD + col)),
+                            both_halves(__ldg(scale + j * (HD / 32) + col / 32)));
+        } else {
+            const void* p = data + (j * HD + col) * 2;
+            return EARLY ? ld16_early(p) : __ldg(reinterpret_cast<const uint4*>(p));
+        }
+    }
+
+    // Dims d, d + 1 of row j (d even).
+    __device__ u32 load2(long j, int d) const {
+        if constexpr (Q8)
+            return q8_pair(__ldg(reinterpret_cast<const u16*>(data + j * HD + d)),
+                           both_halves(__ldg(scale + j * (HD / 32) + d / 32)));
+        else
+            return __ldg(reinterpret_cast<const u32*>(data + (j * HD + d) * 2));
+    }
+
+    __device__ const char* row_bytes(long j) const { return data + j * ROW_BYTES; }
+};
+
+// The q8_0 rounding of x, whose group of 32 values spans `width` lanes of the warp (aligned): d = the group's
+// largest |x| / 127, q = x / d rounded half away from zero (GGUF's Q8_0, reference.quantize_q8_0). Every lane gets
+// its group's d; amax: this lane's largest |x|.
+__device__ __forceinline__ float q8_scale(float amax, int width) {
+    for (int o = width / 2; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
+    return amax / 127.0f;
+}
+__device__ __forceinline__ int q8_round(float x, float d) { return (int)roundf(x * (d != 0.0f ? 1.0f / d : 0.0f)); }
+
+// Two values of a group of 32 spread over `width` lanes, rounded to q8_0: the int8 pair (the bytes of a u16), the
+// group's fp16 scale, and the pair as the cache's readers see it (fp16 of q * scale).
+struct Q8Pair {
+    u16 q, scale;
+    u32 value;
+};
+__device__ __forceinline__ Q8Pair q8_round_pair(float a, float b, int width) {
+    const float d = q8_scale(fmaxf(fabsf(a), fabsf(b)), width);
+    const u16 q = (u16)((q8_round(a, d) & 0xFF) | (q8_round(b, d) & 0xFF) << 8);
+    const u16 dh = f2h(d);
+    return {q, dh, q8_pair(q, both_halves(dh))};
+}

@@ -36,6 +36,17 @@ __device__ __forceinline__ void copy16(void* dst, const void* src, bool fill) {
 #endif
 }
 
+// 4 bytes likewise (through L1: cp.async.cg takes 16 only).
+__device__ __forceinline__ void copy4(void* dst, const void* src, bool fill) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"((u32)__cvta_generic_to_shared(dst)), "l"(src),
+                 "r"(fill ? 4 : 0)
+                 : "memory");
+#else
+    *reinterpret_cast<u32*>(dst) = fill ? __ldg(reinterpret_cast<const u32*>(src)) : 0u;
+#endif
+}
+
 __device__ __forceinline__ void copies_commit() {
 #if __CUDA_ARCH__ >= 800
     asm volatile("cp.async.commit_group;" ::: "memory");
