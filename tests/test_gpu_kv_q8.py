@@ -212,10 +212,11 @@ def test_a_q8_0_cache_model_matches_the_fp16_cache(tmp_path):
         assert np.isfinite(ours).all() and diff < 2e-2 * spread
 
 
-@pytest.mark.skipif(not K.cluster_decode_attention(), reason="the deep decode graph is sm_90's")
-def test_deep_decode_on_a_q8_0_cache_matches_the_cluster_kernel(tmp_path, monkeypatch):
-    """Decode steps past K.DEEP_DECODE_KEYS on a q8_0 cache (attention_decode_deep's q8_0 form, its tiles converted
-    in shared memory) against the cluster kernel on the same cache, within fp16 rounding."""
+@pytest.mark.skipif(not K.cluster_decode_attention(), reason="the cluster kernel is sm_90's")
+def test_decode_on_a_q8_0_cache_matches_the_cluster_kernel(tmp_path, monkeypatch):
+    """Decode steps past K.DEEP_DECODE_KEYS on a q8_0 cache, on the kernel the backend picks for it
+    (attention_decode_deep, its tiles converted in shared memory) against the cluster kernel on the same cache
+    (its rows converted as read), within fp16 rounding."""
     path = tiny_model(tmp_path, kv_heads=2)
     ids = np.random.default_rng().integers(2, 1000, K.DEEP_DECODE_KEYS + 6).tolist()
 
@@ -226,10 +227,14 @@ def test_deep_decode_on_a_q8_0_cache_matches_the_cluster_kernel(tmp_path, monkey
         finally:
             model.close()
 
-    deep = decode_logits()
-    monkeypatch.setattr(K, "deep_decode", lambda position: False)
-    shallow = decode_logits()
-    for ours, theirs in zip(deep, shallow):
+    forms = []
+    choose = K.decode_attention_form
+    monkeypatch.setattr(K, "decode_attention_form", lambda *a: forms.append(choose(*a)) or forms[-1])
+    picked = decode_logits()
+    assert set(forms) == {"deep"}
+    monkeypatch.setattr(K, "decode_attention_form", lambda *a: "cluster")
+    cluster = decode_logits()
+    for ours, theirs in zip(picked, cluster):
         diff, spread = logit_gap(ours, theirs)
         print(f"q8_0 cache, decode at depth {K.DEEP_DECODE_KEYS}: largest logit difference {diff:.2e} of {spread:.2f}")
         assert np.isfinite(ours).all() and diff < 2e-3 * spread

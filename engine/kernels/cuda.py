@@ -601,8 +601,8 @@ def decode_attention_form(n_heads: int, n_kv: int, max_tokens: int, deep: bool, 
     sm_90+ (deep_decode) or, before sm_90, for caches of at least SPLIT_CONTEXT positions; else "cluster"
     (attention_decode, sm_90+) or "partial" (attention's two-kernel form). A q8_0 cache (kv) takes the deep kernel
     at every depth where it runs: it converts whole tiles in shared memory, where the others convert each row they
-    read (8B shape on an H100: 12.29 us against the cluster kernel's 17.19 at 511 keys, 9.99 against 9.54 at the
-    first position; bench/results/2026-12-05_s9call2_kvq8_attention.jsonl)."""
+    read (8B shape on an H100: 12.27 us against the cluster kernel's 17.13 at 511 keys, 9.98 against 9.54 at the
+    first position; bench/results/2026-12-05_s9call3_kvq8_attention.jsonl)."""
     group = n_heads // n_kv
     split = "deep" if mma_capable() and group <= 16 else "split" if group <= 8 else None
     if kv == "q8_0" and split == "deep":
