@@ -76,7 +76,7 @@ def main() -> None:
     args = parser.parse_args()
     h, kv, hd, n = args.heads, args.kv_heads, args.head_dim, args.chunk
     depths = [int(d) for d in args.depths.split(",")]
-    max_tokens = -(-(max(depths) + n) // 8) * 8  # a q8_0 cache holds a multiple of 8 positions
+    max_tokens = max(depths) + n
     rng = np.random.default_rng(0)
     if args.kv_cache == "q8_0":
         kc, vc = (cupy.asarray(rng.integers(-127, 128, (kv, max_tokens, hd), np.int8)) for _ in range(2))

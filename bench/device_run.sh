@@ -1,6 +1,7 @@
 # One device call: install the carried wheels, run the GPU tests, then the speed benchmarks.
 # Usage (on the GPU machine, repo root): bash bench/device_run.sh [tests] [kernels] [shapes] [prompt] [synthetic] [profile] [smol]
 #                                        [archs] [memory] [issue5] [flash] [ram] [cache] [moe] [hybrid] [hybridbench] [kvq8]
+#                                        [ring]
 # The GPU machine has no network: .whl/ holds the wheels it lacks (gguf; pydantic and its dependencies, which
 # tests/conftest.py's catalog lookup imports; `pip download` them for Python 3.12), and the SmolLM2 GGUF
 # (98 MB, over one call's 64 MB) travels in two parts, .carry/smol.part00 (copied to /tmp/strata by a first call) and
@@ -16,7 +17,9 @@
 # (tests/test_gpu_hybrid.py tiny_hybrid, for a machine whose transformers lacks these families). hybridbench: the
 # synthetic HYBRID_SHAPES="qwen3.6-35b-a3b qwen3.8-27b" (Q4_K_M mix) at prompts of HYBRID_PROMPTS="512 4096". kvq8:
 # the q8_0 KV cache's GPU tests beside the fp16 cache's attention tests, the attention kernels alone on each cache,
-# and the synthetic Qwen3-8B (Q4_K_M mix) with each cache at prompts of KVQ8_PROMPTS="512 8192 32768" tokens.
+# and the synthetic Qwen3-8B (Q4_K_M mix) with each cache at prompts of KVQ8_PROMPTS="512 8192 32768" tokens. ring:
+# the KV cache tests (q8_0 and sliding-window rings) and the GPU's Gemma 3 ring against the CPU path, the older
+# attention tests, then the kvq8 step's model runs at RING_PROMPTS="512 32768".
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 STRATA_TEST_CACHE=/tmp/strata
@@ -117,7 +120,7 @@ for part in "$@"; do
       done ;;
     kvq8)
       cp .carry/smollm2-tokenizer.gguf /tmp/strata/
-      timeout 420 python3 -m pytest -q -s -p no:cacheprovider --tb=short -rf tests/test_gpu_kv_q8.py tests/test_gpu_flash.py \
+      timeout 420 python3 -m pytest -q -s -p no:cacheprovider --tb=short -rf tests/test_gpu_kv_cache.py tests/test_gpu_flash.py \
         tests/test_gpu_kernels.py -k "q8_0 or attention or rope or flash" 2>&1 | tee "$OUT/kvq8_tests.log" | grep -E "logit difference|passed|failed|Error"
       for kv in full q8_0; do
         timeout 120 python3 bench/bench_attention.py --depths 0,1023,7680,32256 --kv-cache $kv 2>&1 | tee -a "$OUT/kvq8_attention.jsonl"
@@ -127,6 +130,17 @@ for part in "$@"; do
       for p in ${KVQ8_PROMPTS:-512 8192 32768}; do
         for kv in full q8_0; do
           timeout 200 python3 bench/bench_gpu.py "$f" --prompt $p --output 64 --repeats 2 --kv-cache $kv 2>&1 | tee -a "$OUT/kvq8_bench.jsonl"
+        done
+      done ;;
+    ring)
+      cp .carry/smollm2-tokenizer.gguf /tmp/strata/
+      timeout 360 python3 -m pytest -q -s -p no:cacheprovider --tb=short -rf tests/test_gpu_kv_cache.py tests/test_gpu_flash.py \
+        tests/test_gpu_arch.py tests/test_gpu_kernels.py -k "q8_0 or ring or attention or rope or flash" 2>&1 | tee "$OUT/ring_tests.log" | grep -E "logit|passed|failed|Error"
+      f=/tmp/strata/synthetic-qwen3-8b.gguf
+      [ -f "$f" ] || python3 bench/make_synthetic_gguf.py "$f" --shape qwen3-8b --type Q4_K_M
+      for p in ${RING_PROMPTS:-512 32768}; do
+        for kv in full q8_0; do
+          timeout 200 python3 bench/bench_gpu.py "$f" --prompt $p --output 64 --repeats 2 --kv-cache $kv 2>&1 | tee -a "$OUT/ring_bench.jsonl"
         done
       done ;;
   esac

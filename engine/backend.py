@@ -153,6 +153,11 @@ class KVCache:
         scales = 0 if self.k_scale is None else self.k_scale.nbytes + self.v_scale.nbytes
         return int(self.k.nbytes + self.v.nbytes + scales)
 
+    def layer(self, i: int) -> tuple[KVCache, int]:
+        """Where model layer i's entries are (a cache and its layer): here, at i (engine/kv_cache.py WindowedCache
+        keeps two caches)."""
+        return self, i
+
 
 class Backend(Protocol):
     """The operations an architecture module may call. See the module docstring for conventions."""
@@ -304,12 +309,14 @@ class Backend(Protocol):
         output, rows strided by its width, are fine). Only the first rope.rot_dim dims of each head rotate. style
         is ROPE_NORMAL (pairs (2j, 2j+1) rotate by angle j) or ROPE_NEOX (pairs (j, j + rot_dim/2)):
             (a, b) -> (a*cos - b*sin, a*sin + b*cos).
-        Then cache.k[layer, :, p, :] = rotated k[i] and cache.v[layer, :, p, :] = v[i], and query i attends to
-        cache positions j <= p (and j > p - window when window > 0, a sliding window). n_heads must be a multiple
+        Then cache.k[layer, :, r(p), :] = rotated k[i] and cache.v[layer, :, r(p), :] = v[i], and query i attends to
+        cache positions j <= p (and j > p - window when window > 0, a sliding window), position j in row
+        r(j) = j mod cache.max_tokens: a cache of fewer rows than positions is a ring, which window > 0 and
+        cache.max_tokens >= window + n - 1 make enough (the rows a chunk overwrites are outside every window). n_heads must be a multiple
         of cache.n_kv_heads; query head h uses KV head h // (n_heads // n_kv_heads). Scores are
         (rotated q . k) * scale, softmax in float32. out: (n, n_heads * head_dim) float32, head-major (head h in
         columns [h*head_dim, (h+1)*head_dim)). q and k may be left rotated or not.
-        The caller guarantees start[0] + n <= min(cache.max_tokens, rope.max_positions).
+        The caller guarantees start[0] + n <= rope.max_positions, and start[0] + n <= cache.max_tokens or a ring.
         """
 
     def sample(self, logits: Array, params: SamplingParams, recent_tokens: np.ndarray, uniform: float) -> int:

@@ -200,8 +200,7 @@ class CupyBackend:
         if kind == "full":
             shape = (n_layers, n_kv_heads, max_tokens, head_dim)
             return self._hold(KVCache(cupy.zeros(shape, GPU_KV_DTYPE), cupy.zeros(shape, GPU_KV_DTYPE)))
-        # A multiple of 8 positions: the deep decode kernel copies a KV head's scales 16 bytes at a time.
-        shape = (n_layers, n_kv_heads, -(-max_tokens // 8) * 8, head_dim)
+        shape = (n_layers, n_kv_heads, max_tokens, head_dim)
         scales = shape[:3] + (head_dim // Q8_0_GROUP,)
         return self._hold(KVCache(cupy.zeros(shape, cupy.int8), cupy.zeros(shape, cupy.int8),
                                   cupy.zeros(scales, cupy.float16), cupy.zeros(scales, cupy.float16)))

@@ -140,11 +140,14 @@ class NumpyBackend:
                                    *bits)
             return
         reference.rope_store_kv(q, k, v, rope.cos, rope.sin, style, kc, vc, p, ks, vs)
-        if ks is not None:  # attend over what the cache holds
-            length = p + q.shape[0]
-            kc = reference.dequantize_q8_0(kc[:, :length], ks[:, :length])
-            vc = reference.dequantize_q8_0(vc[:, :length], vs[:, :length])
-        reference.attention(q, kc, vc, p, out, scale, window)
+        # The positions some query attends to, from `first` on, as the cache holds them (a ring's in order).
+        length = p + q.shape[0]
+        first = max(0, p - window + 1) if window > 0 and length > kc.shape[1] else 0
+        rows = np.arange(first, length) % kc.shape[1] if first else slice(0, length)
+        kc, vc = kc[:, rows], vc[:, rows]
+        if ks is not None:
+            kc, vc = reference.dequantize_q8_0(kc, ks[:, rows]), reference.dequantize_q8_0(vc, vs[:, rows])
+        reference.attention(q, kc, vc, p - first, out, scale, window)
 
     def causal_conv_silu(self, x, weight: CpuWeight, state, out) -> None:
         reference.causal_conv_silu(x, weight.dense, state, out)

@@ -14,7 +14,7 @@ from engine.arch.decoder import DecoderWeights, Workspace
 from engine.arch.parts import DecoderConfig
 from engine.backend import Backend, KVCache, SamplingParams
 from engine.errors import DamagedModel, EngineError
-from engine.kv_cache import CachedTokens, RecurrentCache
+from engine.kv_cache import CachedTokens, RecurrentCache, WindowedCache
 from engine.sampler import Sampler
 from engine.tokenizer import Tokenizer
 
@@ -58,7 +58,7 @@ class ModelState:
     config: DecoderConfig
     weights: DecoderWeights
     workspace: Workspace
-    cache: KVCache | RecurrentCache
+    cache: KVCache | RecurrentCache | WindowedCache
     backend: Backend
     cached: CachedTokens
     decode_step: Callable[[int], None]  # forward of ws.tokens[:1] at ws.start (given), possibly a replayed CUDA graph
@@ -89,7 +89,7 @@ def prefill(state: ModelState, prompt: list[int], should_stop: Callable[[], bool
     check_fits(state, len(prompt))
     reused = state.cached.reusable_prefix(prompt)
     recurrent = isinstance(state.cache, RecurrentCache)
-    if recurrent:
+    if recurrent or isinstance(state.cache, WindowedCache):
         reused = state.cache.rewind(reused, len(state.cached))
     state.cached.keep(reused)
     chunk = state.workspace.max_chunk

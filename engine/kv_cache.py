@@ -38,6 +38,35 @@ class CachedTokens:
 
 
 @dataclass
+class WindowedCache:
+    """The cache of a model whose sliding-window layers (Gemma 3: five of six) attend to the last `window`
+    positions only: `full` holds the other layers' keys and values for every position, `ring` the sliding layers'
+    for the last ring.max_tokens positions (position p in row p mod ring.max_tokens), window + chunk - 1 of them, so
+    a chunk of up to `chunk` tokens never overwrites a row a query of it attends to. `slots[i]`: model layer i's
+    (sliding, index among its kind)."""
+
+    full: Any  # engine.backend.KVCache
+    ring: Any
+    window: int
+    slots: tuple[tuple[bool, int], ...]
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.full.nbytes + self.ring.nbytes)
+
+    def layer(self, i: int) -> tuple[Any, int]:
+        sliding, index = self.slots[i]
+        return (self.ring if sliding else self.full), index
+
+    def rewind(self, reusable: int, live: int) -> int:
+        """How many of the `reusable` leading tokens (which the `live` cached tokens begin with) can be reused: the
+        positions a prompt resumed there attends to in the sliding layers (reusable - window + 1 on) must still be
+        in the ring, which holds the last ring.max_tokens of the live ones; otherwise none."""
+        oldest = live - self.ring.max_tokens  # the earliest live position the ring still holds
+        return reusable if max(0, reusable - self.window + 1) >= oldest else 0
+
+
+@dataclass
 class RecurrentCache:
     """A hybrid model's state. `kv` holds the keys and values of its attention layers only (numbered among
     themselves); each recurrent layer instead keeps a fixed-size state standing for the whole prefix: `conv`

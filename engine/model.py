@@ -281,8 +281,9 @@ def load_model(
             weights = arch.load_weights(gguf, config, backend, context, on_progress, should_cancel, host_layers)
             memory = backend.memory_in_use()
             weight_bytes = memory.total_bytes
-            cache = arch.new_cache(config, backend, context, kv_cache_type)
-            workspace = arch.new_workspace(config, backend, min(MAX_PROMPT_CHUNK, context))
+            chunk = min(MAX_PROMPT_CHUNK, context)
+            cache = arch.new_cache(config, backend, context, kv_cache_type, chunk)
+            workspace = arch.new_workspace(config, backend, chunk)
         except MemoryError:
             backend.close()
             raise EngineError(f"Not enough memory to load {gguf.path.name}; free memory or use a smaller model.") from None

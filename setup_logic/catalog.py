@@ -146,6 +146,10 @@ class CatalogModel(BaseModel):
     kv_layers: int | None = Field(
         default=None, description="layers that keep a KV cache, for hybrid models; None means all layers"
     )
+    sliding_window: int | None = Field(
+        default=None, gt=0, description="positions a sliding-window layer attends to (Gemma 3); None: no such layers"
+    )
+    sliding_layers: int = Field(default=0, ge=0, description="layers that attend within sliding_window")
     recurrent_state_bytes: int = Field(
         default=0, ge=0, description="float32 bytes of recurrent (linear-attention) state per sequence"
     )
@@ -177,6 +181,8 @@ class CatalogModel(BaseModel):
             self.expert_bytes = round(self.file_bytes * self.expert_params_b / self.params_b)
         if self.kv_layers is not None and not 0 < self.kv_layers <= self.n_layers:
             raise ValueError(f"{self.id}: kv_layers must be between 1 and n_layers")
+        if (self.sliding_window is None) != (self.sliding_layers == 0) or self.sliding_layers >= self.n_layers:
+            raise ValueError(f"{self.id}: sliding_window and sliding_layers (fewer than n_layers) go together")
         return self
 
     @property

@@ -152,9 +152,15 @@ class Recommendation(BaseModel):
     not_supported: list[RejectedModel] = Field(description="models the engine cannot run yet, with what is missing")
 
 
-def kv_cache_bytes(model: CatalogModel, context_length: int, bytes_per_element: float) -> int:
+def kv_cache_bytes(model: CatalogModel, context_length: int, bytes_per_element: float, chunk: int = 1) -> int:
+    """Keys and values of the layers that keep them, for context_length positions; sliding-window layers keep only
+    window + chunk - 1 where that is fewer (chunk: the engine's prefill chunk; engine/arch/decoder.py new_cache)."""
     layers = model.kv_layers or model.n_layers
-    return round(layers * 2 * model.n_kv_heads * model.head_dim * context_length * bytes_per_element)
+    positions = layers * context_length
+    ring = (model.sliding_window or 0) + chunk - 1
+    if model.sliding_layers and context_length > ring:
+        positions -= model.sliding_layers * (context_length - ring)
+    return round(positions * 2 * model.n_kv_heads * model.head_dim * bytes_per_element)
 
 
 def workspace_bytes(model: CatalogModel, context_length: int, engine: EngineProfile, on_gpu: bool) -> int:
@@ -220,11 +226,13 @@ def estimate_memory(
     if level == "cpu":
         ram_weights = round(model.params_b * 1e9 * 4) if f32 else round(file_bytes * _main_type_ratio(model, engine))
         gpu_weights = gpu_overhead = 0
-        kv = kv_cache_bytes(model, context_length, engine.kv_bytes_per_element(kv_cache, on_gpu=False))
+        kv = kv_cache_bytes(model, context_length, engine.kv_bytes_per_element(kv_cache, on_gpu=False),
+                            engine.prefill_chunk)
     else:
         gpu_overhead = _CUDA_CONTEXT_BYTES
         ram_overhead += _CUDA_HOST_BYTES
-        kv = kv_cache_bytes(model, context_length, engine.kv_bytes_per_element(kv_cache, on_gpu=True))
+        kv = kv_cache_bytes(model, context_length, engine.kv_bytes_per_element(kv_cache, on_gpu=True),
+                            engine.prefill_chunk)
         if level == "gpu":
             expert_layers_in_ram = None
             gpu_weights, ram_weights = file_bytes, 0

@@ -88,3 +88,44 @@ def test_greedy_continuation_matches_transformers(engine_model, hf_model):
     result = engine_model.complete(prompt, GenerationSettings(temperature=0, max_tokens=16))
     assert result.text == tokenizer.decode(kept)
     assert result.completion_tokens == len(kept)
+
+
+def test_sliding_layers_keep_a_ring_and_match_transformers_past_it(gemma3_gguf, hf_model):
+    """With more context than the window and a chunk (512 + 512 - 1 positions), the sliding layers keep only that
+    many rows (engine/kv_cache.py WindowedCache) and wrap: a prompt past the wrap, and greedy decode steps after it,
+    still give transformers' logits and tokens."""
+    import torch
+
+    model = load_model(gemma3_gguf, device="cpu", context_length=2048)
+    try:
+        cache = model._state.cache
+        ring = cache.ring.max_tokens
+        assert ring == 512 + 512 - 1 and cache.full.max_tokens == 2048
+        assert cache.ring.n_layers == 15 and cache.full.n_layers == 3  # 5 sliding layers of every 6
+        ids = model.tokenizer.encode(" ".join(PROMPTS) * 30)[: ring + 300]
+        ours, _ = model.prompt_logits(ids, all_positions=True)
+        theirs = reference_logits(hf_model, ids)
+        spread = theirs.max(axis=-1) - theirs.min(axis=-1)
+        error = float(np.max(np.abs(ours - theirs).max(axis=-1) / spread))
+        print(f"gemma-3-270m, {len(ids)} tokens through a ring of {ring}: max |diff| / logit range = {error:.2e}")
+        assert error < 1e-3
+        with torch.no_grad():
+            expect = hf_model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                       max_new_tokens=8, do_sample=False, pad_token_id=0)[0, len(ids):].tolist()
+        got = []
+        for _ in range(8):
+            logits, reused = model.prompt_logits(ids + got)  # reuses the cached prefix: one decode step each
+            assert reused == len(ids) + len(got) - 1
+            got.append(int(np.argmax(logits)))
+        assert got == expect
+        # A prompt that goes back further than the ring still holds starts over, with the same logits.
+        short = ids[: ring // 2] + [ids[5]]
+        again, reused = model.prompt_logits(short)
+        assert reused == 0
+        fresh = load_model(gemma3_gguf, device="cpu", context_length=2048)
+        try:
+            assert np.allclose(again, fresh.prompt_logits(short)[0], atol=1e-5 * float(spread.max()))
+        finally:
+            fresh.close()
+    finally:
+        model.close()

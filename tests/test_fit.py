@@ -47,6 +47,20 @@ def test_kv_cache_formula():
     assert kv_cache_bytes(hybrid, 8192, 2) == 16 * 2 * 4 * 256 * 8192 * 2
 
 
+def test_sliding_window_layers_count_their_ring_only():
+    """Gemma 3 12B: 8 global layers keep every position, the 40 sliding ones window + chunk - 1 (the engine's
+    WindowedCache), once the context is longer than that; so at 32K its fp16 KV cache is about a sixth of 48 full
+    layers', and a 12 GB card holds a much longer context."""
+    gemma = get_model("gemma-3-12b-it")
+    per_position = 2 * 8 * 256 * 2
+    assert kv_cache_bytes(gemma, 32768, 2, 512) == (8 * 32768 + 40 * (1024 + 511)) * per_position
+    assert kv_cache_bytes(gemma, 1000, 2, 512) == 48 * 1000 * per_position  # shorter than the ring: as before
+    estimate = estimate_memory(gemma, 32768, "gpu", REAL)
+    assert estimate.kv_cache_bytes == (8 * 32768 + 40 * (1024 + REAL.prefill_chunk - 1)) * per_position
+    fit = fit_model(gemma, pc(32, 26, [("RTX 3060", 12, 11.5)]), Preferences(), REAL)
+    assert fit.level == "gpu" and fit.largest_context_that_fits > 32768
+
+
 def test_a_q8_0_kv_cache_takes_34_bytes_per_32_values_so_a_longer_context_fits():
     """q8_0 on either device: 17/32 of the GPU's fp16 KV bytes, 17/64 of the CPU's float32 ones; the largest context
     that fits grows (to the model's own limit for an 8B model on a 12 GB card)."""
@@ -278,9 +292,10 @@ def test_context_longer_than_the_model_allows_is_refused_per_model():
     assert rec.choice.model_id == "qwen3-coder-30b-a3b-instruct"  # 262,144 tokens; the Qwen3 dense stop at 40,960
     reason = next(r.reason for r in rec.not_fitting if r.id == "qwen3-8b")
     assert reason == "It handles at most 40960 tokens of context, fewer than the 49152 asked for."
-    # Longer still, the coder's KV cache no longer fits the card: asked-for contexts are never cut.
+    # Longer still, the coder's KV cache no longer fits the card: asked-for contexts are never cut. Gemma 3 12B's
+    # does (its sliding-window layers keep only their window), so the best other model is now a bigger one.
     rec = recommend(pc(64, 55, [("RTX 4090", 24, 23.5)]), load_catalog(), Preferences(goal="code", context_length=65536), ENGINE)
-    assert rec.choice.model_id == "llama-3.1-8b-instruct" and rec.choice.context_length == 65536
+    assert rec.choice.model_id == "gemma-3-12b-it" and rec.choice.context_length == 65536
     assert "no model made for code fits, so the best other model" in rec.choice.why
     reason = next(r.reason for r in rec.not_fitting if r.id == "qwen3-coder-30b-a3b-instruct")
     assert reason.startswith("Too big for the GPU even with 65536 tokens of context: it needs 23 GB of VRAM on the GPU")

@@ -106,3 +106,40 @@ def test_types_without_a_gpu_kernel_are_refused_at_load(tmp_path):
         load_model(path, device="cuda", context_length=64)
     message = str(refused.value)
     assert "Q2_K" in message and "token_embd.weight" in message and "device='cpu'" in message
+
+
+@pytest.mark.parametrize("kv_cache", ["full", "q8_0"])
+def test_sliding_window_ring_matches_cpu(tmp_path, tokenizer_source, kv_cache):
+    """The tiny Gemma 3 (window 5) with more context than window + chunk - 1 positions: its sliding layers keep a
+    ring (engine/kv_cache.py WindowedCache; held to transformers on the CPU by tests/test_engine_gemma3.py), which a
+    700-token prompt and the decode steps after it wrap; the GPU's logits and greedy tokens against the CPU path's."""
+    import torch
+
+    from engine.kv_cache import WindowedCache
+
+    torch.manual_seed(0)
+    hf = _build("gemma3", head_dim=HEAD_DIM).eval()
+    _randomize_norms(hf)
+    path = tmp_path / "tiny-gemma3.gguf"
+    write_gguf(hf, "gemma3", path, tokenizer_source)
+    cpu = load_model(path, device="cpu", context_length=1024, kv_cache_type=kv_cache)
+    gpu = load_model(path, device="cuda", context_length=1024, kv_cache_type=kv_cache)
+    try:
+        for model in (cpu, gpu):
+            cache = model._state.cache
+            assert isinstance(cache, WindowedCache) and cache.ring.max_tokens == 5 + 511
+        ids = np.random.default_rng(1).integers(3, cpu.info.vocab_size, 700).tolist()
+        ours, _ = gpu.prompt_logits(ids, all_positions=True)
+        theirs, _ = cpu.prompt_logits(ids, all_positions=True)
+        spread = theirs.max(axis=-1) - theirs.min(axis=-1)
+        error = float(np.max(np.abs(ours - theirs).max(axis=-1) / spread))
+        print(f"gemma3 ring ({kv_cache}): prompt logits max |GPU - CPU| / logit range = {error:.2e}")
+        assert error < LOGIT_TOLERANCE
+        ours, theirs = _greedy(gpu, ids), _greedy(cpu, ids)
+        if ours != theirs:
+            first = next(i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b)
+            top2 = np.sort(cpu.prompt_logits(ids + theirs[:first])[0])[-2:]
+            assert top2[1] - top2[0] < 0.05
+    finally:
+        gpu.close()
+        cpu.close()

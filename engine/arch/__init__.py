@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from engine.arch.parts import DecoderConfig
     from engine.backend import Array, Backend, KVCache
     from engine.gguf_file import GGUFFile
-    from engine.kv_cache import RecurrentCache
+    from engine.kv_cache import RecurrentCache, WindowedCache
 
 
 @runtime_checkable
@@ -43,9 +43,11 @@ class Architecture(Protocol):
         host_expert_layers kept in RAM for the CPU."""
         ...
 
-    def new_cache(self, config: DecoderConfig, backend: Backend, max_tokens: int, kind: str = "full") -> KVCache | RecurrentCache:
-        """The cache a forward pass fills: KV entries of `kind` (engine.backend.KV_CACHE_TYPES), and recurrent states
-        where the model has them."""
+    def new_cache(self, config: DecoderConfig, backend: Backend, max_tokens: int, kind: str = "full",
+                  chunk: int = 1) -> KVCache | RecurrentCache | WindowedCache:
+        """The cache a forward pass of up to `chunk` tokens fills: KV entries of `kind` (engine.backend.KV_CACHE_TYPES)
+        (sliding-window layers' for their window only where that is fewer positions), and recurrent states where the
+        model has them."""
         ...
 
     def new_workspace(self, config: DecoderConfig, backend: Backend, max_chunk: int) -> Workspace:
@@ -59,7 +61,7 @@ class Architecture(Protocol):
         weights: DecoderWeights,
         ws: Workspace,
         backend: Backend,
-        cache: KVCache | RecurrentCache,
+        cache: KVCache | RecurrentCache | WindowedCache,
         n: int,
         logits_out: Array | None = None,
     ) -> Array:

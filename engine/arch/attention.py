@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from engine.arch.common import concat_rows, concat_vectors
 from engine.arch.parts import ATTENTION, Buffers, Chunk, DecoderConfig, LayerSource
 from engine.backend import Array, Backend, KVCache, RopeTable, WeightHandle
+from engine.kv_cache import WindowedCache
 
 
 @dataclass
@@ -77,8 +78,10 @@ class Attention:
             out=backend.empty((max_chunk, c.q_dim)),
         )
 
-    def run(self, config: DecoderConfig, chunk: Chunk, backend: Backend, cache: KVCache, layer: int) -> None:
+    def run(self, config: DecoderConfig, chunk: Chunk, backend: Backend, cache: KVCache | WindowedCache,
+            layer: int) -> None:
         c = config
+        kv, index = cache.layer(layer)
         b: AttentionBuffers = chunk.parts[ATTENTION]
         if len(self.qkv) == 1:
             backend.linear(chunk.h, self.qkv[0], b.qkv, self.qkv_bias[0] if self.qkv_bias else None)
@@ -90,6 +93,6 @@ class Attention:
             q_norm, k_norm = self.qk_norm
             backend.rms_norm(b.q, q_norm, c.rms_eps, b.q)
             backend.rms_norm(b.k, k_norm, c.rms_eps, b.k)
-        backend.rope_attention(b.q, b.k, b.v, self.rope, c.rope_style, cache, layer, chunk.start, b.out, c.attn_scale,
+        backend.rope_attention(b.q, b.k, b.v, self.rope, c.rope_style, kv, index, chunk.start, b.out, c.attn_scale,
                                self.window)
         backend.linear(b.out, self.out, chunk.delta)

@@ -30,7 +30,7 @@ from engine.arch.parts import (ATTENTION, DELTANET, DENSE, GATED_ATTENTION, MOE,
 from engine.backend import Array, Backend, KVCache, WeightHandle
 from engine.errors import EngineError
 from engine.gguf_file import GGUFFile
-from engine.kv_cache import RecurrentCache
+from engine.kv_cache import RecurrentCache, WindowedCache
 
 MIXERS: dict[str, type[LayerPart]] = {ATTENTION: Attention, GATED_ATTENTION: GatedAttention, DELTANET: DeltaNet}
 FFNS: dict[str, type[LayerPart]] = {DENSE: DenseFFN, MOE: MoeFFN, MOE_SHARED: SharedMoeFFN}
@@ -125,11 +125,21 @@ def load_weights(
     return DecoderWeights(token_embd, layers, output_norm, output)
 
 
-def new_cache(config: DecoderConfig, backend: Backend, max_tokens: int, kind: str = "full") -> KVCache | RecurrentCache:
-    """The KV cache of every layer, of `kind` (engine.backend.KV_CACHE_TYPES); with DeltaNet layers, a RecurrentCache:
-    KV entries for the other layers only and the recurrent layers' states (zeros), each layer at its config.slot."""
+def new_cache(config: DecoderConfig, backend: Backend, max_tokens: int, kind: str = "full",
+              chunk: int = 1) -> KVCache | RecurrentCache | WindowedCache:
+    """The KV cache of every layer, of `kind` (engine.backend.KV_CACHE_TYPES); with sliding-window layers and more
+    positions than window + chunk - 1 (chunk: the most tokens a forward pass takes), a WindowedCache whose sliding
+    layers keep only those; with DeltaNet layers, a RecurrentCache: KV entries for the other layers only and the
+    recurrent layers' states (zeros), each layer at its config.slot."""
     c = config
     n_recurrent = c.mixer_kinds.count(DELTANET)
+    ring = c.sliding_window + chunk - 1
+    if any(c.sliding_layers) and max_tokens > ring:
+        sliding = [c.sliding(i) for i in range(c.n_layers)]
+        n_sliding = sum(sliding)
+        slots = tuple((s, sliding[:i].count(s)) for i, s in enumerate(sliding))
+        return WindowedCache(backend.kv_cache(c.n_layers - n_sliding, c.n_kv_heads, c.head_dim, max_tokens, kind),
+                             backend.kv_cache(n_sliding, c.n_kv_heads, c.head_dim, ring, kind), c.sliding_window, slots)
     if not n_recurrent:
         return backend.kv_cache(c.n_layers, c.n_kv_heads, c.head_dim, max_tokens, kind)
     s = c.deltanet
@@ -165,7 +175,7 @@ def forward(
     weights: DecoderWeights,
     ws: Workspace,
     backend: Backend,
-    cache: KVCache | RecurrentCache,
+    cache: KVCache | RecurrentCache | WindowedCache,
     n: int,
     logits_out: Array | None = None,
 ) -> Array:

@@ -16,7 +16,7 @@ from engine.arch.common import WeightLoader, hparam, rope_inv_freq
 from engine.backend import ROPE_NORMAL, Array, Backend, KVCache, RopeTable, WeightHandle
 from engine.errors import EngineError
 from engine.gguf_file import GGUFFile, GGUFTensor
-from engine.kv_cache import RecurrentCache
+from engine.kv_cache import RecurrentCache, WindowedCache
 
 ATTENTION = "attention"
 GATED_ATTENTION = "gated_attention"  # the hybrids' attention: an output gate per head, KV only for these layers
@@ -217,7 +217,8 @@ class LayerPart(Protocol):
         """The kind's activation buffers, allocated once per model and shared by its layers."""
         ...
 
-    def run(self, config: DecoderConfig, chunk: Chunk, backend: Backend, cache: KVCache | RecurrentCache,
+    def run(self, config: DecoderConfig, chunk: Chunk, backend: Backend,
+            cache: KVCache | RecurrentCache | WindowedCache,
             layer: int) -> None:
         """From chunk.h to chunk.delta; `cache` is a RecurrentCache in models with DeltaNet layers."""
         ...

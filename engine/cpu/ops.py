@@ -145,16 +145,18 @@ def rope_attention_one(q, k, v, cos, sin, neox, k_cache, v_cache, position, out,
     window > 0); out (1, heads * d). A q8_0 cache passes its int8 rows and the uint16 bits of its scales
     (kv_heads, max_tokens, d / 32): the token is stored rounded, then attended as the cache holds it. Each key and
     value row is read once for the group of query heads that share it, and the inner loops run over contiguous rows
-    (the group's queries copied out first), so they vectorize."""
+    (the group's queries copied out first), so they vectorize. Position j lives in row j mod max_tokens (a ring:
+    engine/backend.py rope_attention)."""
     heads, d = q.shape[1], q.shape[2]
     kv_heads = k.shape[1]
     group = heads // kv_heads
+    rows = k_cache.shape[1]
     for h in range(heads):
         _rotate(q[0, h], cos[position], sin[position], neox)
     for h in range(kv_heads):
         _rotate(k[0, h], cos[position], sin[position], neox)
-        _store(k[0, h], k_cache, k_scale, h, position)
-        _store(v[0, h], v_cache, v_scale, h, position)
+        _store(k[0, h], k_cache, k_scale, h, position % rows)
+        _store(v[0, h], v_cache, v_scale, h, position % rows)
     first = max(0, position - window + 1) if window > 0 else 0
     n = position + 1 - first
     scores = np.empty((group, n), _F)
@@ -166,7 +168,7 @@ def rope_attention_one(q, k, v, cos, sin, neox, k_cache, v_cache, position, out,
             for i in range(d):
                 queries[hh, i] = q[0, g * group + hh, i] * _F(scale)
         for j in range(n):
-            key = _row(k_cache, k_scale, g, first + j, row)
+            key = _row(k_cache, k_scale, g, (first + j) % rows, row)
             for hh in range(group):
                 s = _F(0)
                 for i in range(d):
@@ -182,7 +184,7 @@ def rope_attention_one(q, k, v, cos, sin, neox, k_cache, v_cache, position, out,
                 scores[hh, j] /= total
         mixed[:] = 0
         for j in range(n):
-            value = _row(v_cache, v_scale, g, first + j, row)
+            value = _row(v_cache, v_scale, g, (first + j) % rows, row)
             for hh in range(group):
                 p = scores[hh, j]
                 for i in range(d):

@@ -304,7 +304,7 @@ struct NewKV {
     __device__ static NewToken token(const float* k_new, const float* v_new, int kvh, int pos, const float* cos_p,
                                      const float* sin_p, int rot, int neox, void* k_cache, void* v_cache,
                                      u16* k_scale, u16* v_scale, int max_tokens, bool store) {
-        const long row = (long)kvh * max_tokens + pos;
+        const long row = (long)kvh * max_tokens + cache_row(pos, max_tokens);
         constexpr int ROW_BYTES = CacheRows<HD, Q8>::ROW_BYTES;
         return {k_new + (long)kvh * HD, v_new + (long)kvh * HD, cos_p, sin_p, rot, neox,
                 store ? static_cast<char*>(k_cache) + row * ROW_BYTES : nullptr,
@@ -368,17 +368,12 @@ __device__ __forceinline__ void attend_split(const float* __restrict__ q, long q
     const int lo = first + split * per;
     const int hi = min(lo + per, pos + 1);
     const int cached_hi = DECODE ? min(hi, pos) : hi;  // the cache holds the decode step's own token only later
-    const CacheRows<HD, Q8> keys(k_cache, k_scale, (long)kvh * max_tokens);
-    const CacheRows<HD, Q8> values(v_cache, v_scale, (long)kvh * max_tokens);
+    const CacheRows<HD, Q8> keys(k_cache, k_scale, kvh, max_tokens), values(v_cache, v_scale, kvh, max_tokens);
     // Keys and values before start[0] (set before the step) are cached before the kernel before this one runs.
     // So while it finishes, a decode warp asks L2 for its rows (and with DECODE loads the first key it scores).
     if (n == 1) {
-        const char* kb = keys.row_bytes(lo);
-        const char* vb = values.row_bytes(lo);
-        for (long off = 128L * lane; off < (long)(cached_hi - lo) * keys.ROW_BYTES; off += 32 * 128) {
-            prefetch_l2_line(kb + off);
-            prefetch_l2_line(vb + off);
-        }
+        keys.prefetch(lo, cached_hi, lane, 32);
+        values.prefetch(lo, cached_hi, lane, 32);
     }
     uint4 kv[HD / 8];
     if (DECODE) KeyTile<HD>::template load<true>(keys, lo, cached_hi, kv);
@@ -487,13 +482,10 @@ __device__ __forceinline__ void attention_decode_split_impl(
     const int active = (len + per - 1) / per;
     if (split >= active) return;
     const int lo = first + split * per, hi = min(lo + per, pos + 1), cached_hi = min(hi, pos);
-    const CacheRows<HD, Q8> keys(k_cache, k_scale, (long)kvh * max_tokens);
-    const CacheRows<HD, Q8> values(v_cache, v_scale, (long)kvh * max_tokens);
+    const CacheRows<HD, Q8> keys(k_cache, k_scale, kvh, max_tokens), values(v_cache, v_scale, kvh, max_tokens);
     // The cached rows are final before the kernel before this one runs: ask L2 for them while it finishes.
-    for (long off = 128L * threadIdx.x; off < (long)(cached_hi - lo) * keys.ROW_BYTES; off += 128L * blockDim.x) {
-        prefetch_l2_line(keys.row_bytes(lo) + off);
-        prefetch_l2_line(values.row_bytes(lo) + off);
-    }
+    keys.prefetch(lo, cached_hi, threadIdx.x, blockDim.x);
+    values.prefetch(lo, cached_hi, threadIdx.x, blockDim.x);
     grid_dependency_sync();
     const float* cos_p = cos_t + (long)pos * (rot / 2);
     const float* sin_p = sin_t + (long)pos * (rot / 2);
@@ -610,21 +602,19 @@ constexpr int DEEP_WARPS = 4;
 // Keys (or values) j0 .. j0 + KT - 1 into a warp's shared tile of rows padded to D + 8 halves (ldmatrix's eight
 // row addresses then fall in distinct banks); rows from `end` on are zeros, so a masked key's value adds nothing.
 template <int D, int KT>
-__device__ __forceinline__ void warp_load_rows(u16* tile, const u16* __restrict__ base, int j0, int end) {
+__device__ __forceinline__ void warp_load_rows(u16* tile, const CacheRows<D, false>& rows, int j0, int end) {
     constexpr int PER_ROW = D / 8;
     const int lane = threadIdx.x & 31;
 #pragma unroll
     for (int i = 0; i < KT * PER_ROW / 32; ++i) {
         const int c = 32 * i + lane, row = c / PER_ROW, col = 8 * (c % PER_ROW);
         const bool in = j0 + row < end;
-        copy16(tile + row * (D + 8) + col, base + (long)(in ? j0 + row : 0) * D + col, in);
+        copy16(tile + row * (D + 8) + col, rows.data + rows.row(in ? j0 + row : 0) * rows.ROW_BYTES + 2 * col, in);
     }
 }
 
-// q8_0: rows j0 .. j0 + KT - 1's int8 values (KT D bytes), then their scales (D / 16 bytes a row) from the 16-byte
-// boundary at or before row j0's (KT D / 16 + 16 bytes, the first (j0 D / 16) % 16 of them earlier rows'), as the
-// cache holds them (each contiguous), into a warp's raw tile; rows from `end` on are zeros. A chunk of scales covers
-// 256 / D rows: the GPU backend's q8_0 caches hold a multiple of 8 positions, so no chunk reads past a KV head.
+// q8_0: rows j0 .. j0 + KT - 1's int8 values (KT D bytes), then each row's scales (D / 16 bytes), into a warp's raw
+// tile; rows from `end` on are zeros.
 template <int D, int KT>
 __device__ __forceinline__ void warp_load_q8(u8* raw, const CacheRows<D, true>& rows, int j0, int end) {
     const int lane = threadIdx.x & 31;
@@ -632,21 +622,18 @@ __device__ __forceinline__ void warp_load_q8(u8* raw, const CacheRows<D, true>& 
     for (int c = lane; c < KT * D / 16; c += 32) {
         const int row = c / (D / 16);
         const bool in = j0 + row < end;
-        copy16(raw + 16 * c, rows.data + (long)(in ? j0 + row : 0) * D + 16 * (c % (D / 16)), in);
+        copy16(raw + 16 * c, rows.data + rows.row(in ? j0 + row : 0) * D + 16 * (c % (D / 16)), in);
     }
-    const long first = (long)j0 * (D / 16) / 16 * 16;  // the head's scale bytes before the span
-    const char* scales = reinterpret_cast<const char*>(rows.scale);
-    for (int c = lane; c <= KT * D / 256; c += 32) {
-        const bool in = (first + 16 * c) / (D / 16) < end;
-        copy16(raw + KT * D + 16 * c, scales + (in ? first + 16 * c : 0), in);
+    for (int row = lane; row < KT; row += 32) {
+        const bool in = j0 + row < end;
+        copy_small<D / 16>(raw + KT * D + row * (D / 16), rows.scale + rows.row(in ? j0 + row : 0) * (D / 32), in);
     }
 }
 
-// A raw q8_0 tile of rows from j0 on (warp_load_q8) as the fp16 tile the other form loads: rows padded to D + 8
-// halves.
+// A raw q8_0 tile (warp_load_q8) as the fp16 tile the other form loads: rows padded to D + 8 halves.
 template <int D, int KT>
-__device__ __forceinline__ void warp_convert_q8(u16* tile, const u8* raw, int j0) {
-    const u16* scales = reinterpret_cast<const u16*>(raw + KT * D + (long)j0 * (D / 16) % 16);
+__device__ __forceinline__ void warp_convert_q8(u16* tile, const u8* raw) {
+    const u16* scales = reinterpret_cast<const u16*>(raw + KT * D);
 #pragma unroll
     for (int c = threadIdx.x & 31; c < KT * D / 8; c += 32) {
         const int row = c / (D / 8), col = 8 * (c % (D / 8));
@@ -661,7 +648,7 @@ __device__ __forceinline__ void warp_convert_q8(u16* tile, const u8* raw, int j0
 template <int D, int KT, int STAGES, bool Q8>
 struct DeepTiles {
     static constexpr int TILE = KT * (D + 8);       // halves of an fp16 tile
-    static constexpr int RAW = KT * D + KT * D / 16 + 16;  // bytes of a raw q8_0 tile
+    static constexpr int RAW = KT * D + KT * D / 16;  // bytes of a raw q8_0 tile
     static constexpr int STAGE_BYTES = Q8 ? 2 * RAW : 4 * TILE;
     static constexpr int WARP_BYTES = STAGES * STAGE_BYTES + (Q8 ? 4 * TILE : 0);
 };
@@ -687,8 +674,7 @@ __device__ __forceinline__ void attention_decode_deep_impl(
     const int active = (len + per - 1) / per;
     if (split >= active) return;
     const int lo = first + split * per, hi = min(lo + per, pos + 1), cached_hi = min(hi, pos);
-    const CacheRows<D, Q8> keys(k_cache, k_scale, (long)kvh * max_tokens);
-    const CacheRows<D, Q8> values(v_cache, v_scale, (long)kvh * max_tokens);
+    const CacheRows<D, Q8> keys(k_cache, k_scale, kvh, max_tokens), values(v_cache, v_scale, kvh, max_tokens);
     u8* mine = smem + warp * Smem::WARP_BYTES;
     // The warp's tile i: keys lo + (warp + DEEP_WARPS i) KT .., in buffer i % STAGES. Every call commits a group
     // (empty past the range), so waiting for all but the newest STAGES - 1 groups always means tile i landed.
@@ -700,9 +686,8 @@ __device__ __forceinline__ void attention_decode_deep_impl(
                 warp_load_q8<D, KT>(buf, keys, j0, cached_hi);
                 warp_load_q8<D, KT>(buf + Smem::RAW, values, j0, cached_hi);
             } else {
-                u16* tile = reinterpret_cast<u16*>(buf);
-                warp_load_rows<D, KT>(tile, reinterpret_cast<const u16*>(keys.data), j0, cached_hi);
-                warp_load_rows<D, KT>(tile + TILE, reinterpret_cast<const u16*>(values.data), j0, cached_hi);
+                warp_load_rows<D, KT>(reinterpret_cast<u16*>(buf), keys, j0, cached_hi);
+                warp_load_rows<D, KT>(reinterpret_cast<u16*>(buf) + TILE, values, j0, cached_hi);
             }
         }
         copies_commit();
@@ -740,8 +725,8 @@ __device__ __forceinline__ void attention_decode_deep_impl(
         const u16* ks = reinterpret_cast<const u16*>(stage);
         if constexpr (Q8) {
             u16* converted = reinterpret_cast<u16*>(mine + STAGES * Smem::STAGE_BYTES);
-            warp_convert_q8<D, KT>(converted, stage, j0);
-            warp_convert_q8<D, KT>(converted + TILE, stage + Smem::RAW, j0);
+            warp_convert_q8<D, KT>(converted, stage);
+            warp_convert_q8<D, KT>(converted + TILE, stage + Smem::RAW);
             __syncwarp();
             ks = converted;
         }

@@ -28,15 +28,16 @@ __device__ __forceinline__ void load_tile(u16 (*tile)[D + 8], u8* raw_q, u32* ra
 #pragma unroll
     for (int i = 0; i < KT * PER_ROW / FA_THREADS; ++i) {
         const int c = i * FA_THREADS + threadIdx.x;
-        const int row = c / PER_ROW, j = j0 + row < end ? j0 + row : 0;
+        const int row = c / PER_ROW;
+        const long j = rows.row(j0 + row < end ? j0 + row : 0);
         if constexpr (Q8) {
             const int col = 16 * (c % PER_ROW);
-            copy16(raw_q + 16 * c, rows.data + (long)j * D + col, j0 + row < end);
+            copy16(raw_q + 16 * c, rows.data + j * D + col, j0 + row < end);
             const u32* scales = reinterpret_cast<const u32*>(rows.scale);
-            copy4(raw_s + c, scales + ((long)j * (D / 32) + col / 32) / 2, j0 + row < end);
+            copy_small<4>(raw_s + c, scales + (j * (D / 32) + col / 32) / 2, j0 + row < end);
         } else {
             const int col = 8 * (c % PER_ROW);
-            copy16(&tile[row][col], reinterpret_cast<const u16*>(rows.data) + (long)j * D + col, j0 + row < end);
+            copy16(&tile[row][col], reinterpret_cast<const u16*>(rows.data) + j * D + col, j0 + row < end);
         }
     }
     copies_commit();
@@ -44,13 +45,13 @@ __device__ __forceinline__ void load_tile(u16 (*tile)[D + 8], u8* raw_q, u32* ra
 
 // A q8_0 tile's chunks this thread copied (load_tile, landed) as fp16 in the tile.
 template <int D, int KT>
-__device__ __forceinline__ void finish_tile(u16 (*tile)[D + 8], const u8* raw_q, const u32* raw_s, int j0) {
+__device__ __forceinline__ void finish_tile(u16 (*tile)[D + 8], const u8* raw_q, const u32* raw_s) {
     constexpr int PER_ROW = D / 16;
 #pragma unroll
     for (int i = 0; i < KT * PER_ROW / FA_THREADS; ++i) {
         const int c = i * FA_THREADS + threadIdx.x;
         const int row = c / PER_ROW, col = 16 * (c % PER_ROW);
-        const int half = ((j0 + row) * (D / 32) + col / 32) & 1;  // the scale's place in its word
+        const int half = (col / 32) & 1;  // the scale's place in its word (a row has an even number of scales)
         const u32 s2 = both_halves((u16)(raw_s[c] >> (16 * half)));
         const uint4 q = *reinterpret_cast<const uint4*>(raw_q + 16 * c);
         *reinterpret_cast<uint4*>(&tile[row][col]) = q8_half8(make_uint2(q.x, q.y), s2);
@@ -100,8 +101,7 @@ __device__ __forceinline__ void flash_attention_impl(const float* __restrict__ q
         }
     }
 
-    const CacheRows<D, Q8> kb(k_cache, k_scale, (long)kvh * max_tokens);
-    const CacheRows<D, Q8> vb(v_cache, v_scale, (long)kvh * max_tokens);
+    const CacheRows<D, Q8> kb(k_cache, k_scale, kvh, max_tokens), vb(v_cache, v_scale, kvh, max_tokens);
     const int end = pos_hi + 1;
     const int j_first = (window > 0 ? max(0, pos_lo - window + 1) : 0) / KT * KT;
     float o[DN][4] = {};
@@ -109,7 +109,7 @@ __device__ __forceinline__ void flash_attention_impl(const float* __restrict__ q
     load_tile<D, KT, Q8>(ks, raw_q, raw_s, kb, j_first, end);
     for (int j0 = j_first; j0 < end; j0 += KT) {
         copies_wait();
-        if constexpr (Q8) finish_tile<D, KT>(ks, raw_q, raw_s, j0);  // every warp is past its scores on the last tile
+        if constexpr (Q8) finish_tile<D, KT>(ks, raw_q, raw_s);  // every warp is past its scores on the last tile
         __syncthreads();  // K tile landed; every warp is past its P.V on the previous V tile
         load_tile<D, KT, Q8>(vs, raw_q, raw_s, vb, j0, end);
 
@@ -128,7 +128,7 @@ __device__ __forceinline__ void flash_attention_impl(const float* __restrict__ q
         u32 pa[KT / 16][4];
         tile_softmax<D, KT>(s, m, l, o, pa);
         copies_wait();
-        if constexpr (Q8) finish_tile<D, KT>(vs, raw_q, raw_s, j0);  // every warp is past its P.V on the last tile
+        if constexpr (Q8) finish_tile<D, KT>(vs, raw_q, raw_s);  // every warp is past its P.V on the last tile
         __syncthreads();  // V tile landed; every warp is past its scores on this K tile
         if (j0 + KT < end) load_tile<D, KT, Q8>(ks, raw_q, raw_s, kb, j0 + KT, end);
         tile_values<D, KT>(pa, &vs[0][0], D + 8, o);

@@ -403,7 +403,11 @@ __device__ __forceinline__ uint4 q8_half8(uint2 q, u32 s2) {
     return make_uint4(q8_pair(q.x, s2), q8_pair<true>(q.x, s2), q8_pair(q.y, s2), q8_pair<true>(q.y, s2));
 }
 
-// One KV head's keys or values as the cache holds them, row j at position j: fp16, or with Q8 q8_0 (int8 values
+// The row of a KV head's cache holding position j: j itself, or in a cache of fewer rows than positions (a
+// sliding-window layer's ring, engine/kv_cache.py) j mod rows.
+__device__ __forceinline__ long cache_row(long j, int rows) { return j < rows ? j : j % rows; }
+
+// KV head kvh's keys or values as the cache holds them, `rows` rows (cache_row): fp16, or with Q8 q8_0 (int8 values
 // and, in `scale`, an fp16 scale for each 32 of them; a value is q * scale, read as fp16 like the others, so the
 // attention kernels compute on both alike). Rows are read 8 dims (4 fp16 pairs) or 2 dims (a pair) at a time.
 template <int HD, bool Q8>
@@ -411,14 +415,26 @@ struct CacheRows {
     static constexpr int ROW_BYTES = Q8 ? HD : 2 * HD;
     const char* data;
     const u16* scale;
+    int rows;
 
-    __device__ CacheRows(const void* cache, const u16* scales, long first_row)
-        : data(reinterpret_cast<const char*>(cache) + first_row * ROW_BYTES),
-          scale(Q8 ? scales + first_row * (HD / 32) : nullptr) {}
+    __device__ CacheRows(const void* cache, const u16* scales, int kvh, int max_tokens)
+        : data(reinterpret_cast<const char*>(cache) + (long)kvh * max_tokens * ROW_BYTES),
+          scale(Q8 ? scales + (long)kvh * max_tokens * (HD / 32) : nullptr), rows(max_tokens) {}
+
+    __device__ long row(long j) const { return cache_row(j, rows); }
+
+    // Ask L2 for the lines of positions lo .. hi - 1 (at most `rows` of them, wrapping in a ring), thread t of n.
+    __device__ void prefetch(int lo, int hi, int t, int n) const {
+        const long at = row(lo), len = hi - lo, before_wrap = min(len, (long)rows - at);
+        for (long off = 128L * t; off < before_wrap * ROW_BYTES; off += 128L * n)
+            prefetch_l2_line(data + at * ROW_BYTES + off);
+        for (long off = 128L * t; off < (len - before_wrap) * ROW_BYTES; off += 128L * n) prefetch_l2_line(data + off);
+    }
 
     // Dims col .. col + 7 of row j (col a multiple of 8). EARLY: an fp16 row's load before grid_dependency_sync.
     template <bool EARLY = false>
     __device__ uint4 load8(long j, int col) const {
+        j = row(j);
         if constexpr (Q8) {
             return q8_half8(__ldg(reinterpret_cast<const uint2*>(data + j * HD + col)),
                             both_halves(__ldg(scale + j * (HD / 32) + col / 32)));
@@ -430,14 +446,13 @@ struct CacheRows {
 
     // Dims d, d + 1 of row j (d even).
     __device__ u32 load2(long j, int d) const {
+        j = row(j);
         if constexpr (Q8)
             return q8_pair(__ldg(reinterpret_cast<const u16*>(data + j * HD + d)),
                            both_halves(__ldg(scale + j * (HD / 32) + d / 32)));
         else
             return __ldg(reinterpret_cast<const u32*>(data + (j * HD + d) * 2));
     }
-
-    __device__ const char* row_bytes(long j) const { return data + j * ROW_BYTES; }
 };
 
 // The q8_0 rounding of x, whose group of 32 values spans `width` lanes of the warp (aligned): d = the group's

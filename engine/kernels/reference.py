@@ -137,18 +137,20 @@ def rope_store_kv(
     k_scale: np.ndarray | None = None,
     v_scale: np.ndarray | None = None,
 ) -> None:
-    """k_cache, v_cache: one layer's (n_kv_heads, max_tokens, head_dim); a q8_0 cache's int8 ones with their scales
-    k_scale, v_scale (n_kv_heads, max_tokens, head_dim / 32) get k and v rounded by quantize_q8_0."""
+    """k_cache, v_cache: one layer's (n_kv_heads, max_tokens, head_dim), position p in row p mod max_tokens; a q8_0
+    cache's int8 ones with their scales k_scale, v_scale (n_kv_heads, max_tokens, head_dim / 32) get k and v rounded
+    by quantize_q8_0."""
     n = q.shape[0]
     c, s = cos[start : start + n], sin[start : start + n]
     rotate(q, c, s, style)
     rotate(k, c, s, style)
+    at = np.arange(start, start + n) % k_cache.shape[1]
     for x, cache, scales in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
         rows = x.transpose(1, 0, 2)
         if scales is None:
-            cache[:, start : start + n, :] = rows
+            cache[:, at, :] = rows
         else:
-            cache[:, start : start + n, :], scales[:, start : start + n, :] = quantize_q8_0(rows)
+            cache[:, at, :], scales[:, at, :] = quantize_q8_0(rows)
 
 
 def quantize_q8_0(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -36,15 +36,22 @@ __device__ __forceinline__ void copy16(void* dst, const void* src, bool fill) {
 #endif
 }
 
-// 4 bytes likewise (through L1: cp.async.cg takes 16 only).
-__device__ __forceinline__ void copy4(void* dst, const void* src, bool fill) {
+// BYTES (4, 8 or 16) likewise; those below 16 through L1 (cp.async.cg takes 16 only).
+template <int BYTES>
+__device__ __forceinline__ void copy_small(void* dst, const void* src, bool fill) {
+    static_assert(BYTES == 4 || BYTES == 8 || BYTES == 16, "cp.async copies 4, 8 or 16 bytes");
+    if constexpr (BYTES == 16) {
+        copy16(dst, src, fill);
+    } else {
 #if __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"((u32)__cvta_generic_to_shared(dst)), "l"(src),
-                 "r"(fill ? 4 : 0)
-                 : "memory");
+        asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;"
+                     ::"r"((u32)__cvta_generic_to_shared(dst)), "l"(src), "n"(BYTES), "r"(fill ? BYTES : 0)
+                     : "memory");
 #else
-    *reinterpret_cast<u32*>(dst) = fill ? __ldg(reinterpret_cast<const u32*>(src)) : 0u;
+        for (int i = 0; i < BYTES / 4; ++i)
+            reinterpret_cast<u32*>(dst)[i] = fill ? __ldg(reinterpret_cast<const u32*>(src) + i) : 0u;
 #endif
+    }
 }
 
 __device__ __forceinline__ void copies_commit() {

@@ -1,7 +1,8 @@
-"""The q8_0 KV cache on the GPU (engine/kernels: rope.cu, attention.cu, flash_attention.cu) against the NumPy
-reference on fresh random inputs: the cache write rounds as reference.quantize_q8_0 (GGUF's Q8_0), and every
-attention kernel reads the values the cache stands for (q times its group's scale); then whole tiny models with a
-q8_0 cache against the same models with the fp16 one (needs CuPy and a GPU)."""
+"""The KV cache's forms on the GPU (engine/kernels: rope.cu, attention.cu, flash_attention.cu) against the NumPy
+reference on fresh random inputs. q8_0: the cache write rounds as reference.quantize_q8_0 (GGUF's Q8_0), and every
+attention kernel reads the values the cache stands for (q times its group's scale); whole tiny models with a q8_0
+cache against the same models with the fp16 one. Rings (a sliding-window layer's cache of fewer rows than
+positions, position j in row j mod rows): writes and reads across the wrap, fp16 and q8_0 (needs CuPy and a GPU)."""
 
 import sys
 from pathlib import Path
@@ -177,6 +178,92 @@ def test_flash_attention_on_a_q8_0_cache(n, start, window, hd, heads, kv, max_to
                       out, scale, window, (kd, vd))
     # q and the probabilities enter the tensor cores as fp16: errors of a few fp16 ulps of the output.
     err = np.abs(out.get() - expect).max() / np.abs(vc).max()
+    assert err < 4e-3, err
+
+
+def ring_image(values, rows, last):
+    """The rows of a ring holding positions last - rows + 1 .. last of a linear cache (kv, positions, hd)."""
+    image = np.zeros(values.shape[:1] + (rows,) + values.shape[2:], values.dtype)
+    for p in range(max(0, last - rows + 1), last + 1):
+        image[:, p % rows] = values[:, p]
+    return image
+
+
+def device_cache(values, kind):
+    """(device rows, scales or None, the values as the kernels read them) of a float32 cache in this form."""
+    if kind == "full":
+        return cp.asarray(values.astype(np.float16)), None, as_read(values)
+    q, d = reference.quantize_q8_0(values)
+    return cp.asarray(q), cp.asarray(d), as_read(reference.dequantize_q8_0(q, d))
+
+
+@pytest.mark.parametrize("form", ["partial", "split", "deep", "cluster"])
+@pytest.mark.parametrize("kind", ["full", "q8_0"])
+@pytest.mark.parametrize("hd", [64, 128])
+def test_decode_attention_across_a_ring(form, kind, hd):
+    """One decode step on a ring whose window spans the wrap: the token's row goes to position mod rows, and the
+    window's keys and values are read from both ends of the ring."""
+    launch = decode_launchers().get(form)
+    if launch is None:
+        pytest.skip(f"the {form} kernel does not run on this GPU")
+    rng = np.random.default_rng()
+    heads, kv, window = 8, 2, 100
+    rows = window + 37
+    start = 5 * rows + 20  # the window: positions start - 99 .. start, in rows 58 .. 136 and 0 .. 20
+    qkv = rng.standard_normal((1, (heads + 2 * kv) * hd)).astype(np.float32)
+    cos, sin = reference.rope_tables((1.0 / 10000 ** (np.arange(0, hd, 2) / hd)).astype(np.float32), start + 1)
+    k_lin, v_lin = (rng.standard_normal((kv, start + 1, hd)).astype(np.float32) for _ in range(2))
+    kc, ks, k_read = device_cache(ring_image(k_lin, rows, start - 1), kind)
+    vc, vs, v_read = device_cache(ring_image(v_lin, rows, start - 1), kind)
+    scales = None if ks is None else (ks, vs)
+    q, k, v = (qkv[:, a:b].reshape(1, -1, hd).copy() for a, b in ((0, heads * hd), (heads * hd, (heads + kv) * hd),
+                                                                   ((heads + kv) * hd, None)))
+    new_k, new_v = np.zeros((kv, start + 1, hd), np.float32), np.zeros((kv, start + 1, hd), np.float32)
+    reference.rope_store_kv(q, k, v, cos, sin, "neox", new_k, new_v, start)
+    for lin, read, new in ((k_lin, k_read, new_k), (v_lin, v_read, new_v)):  # what the kernels read, position-wise
+        for p in range(start - rows + 1, start):
+            lin[:, p] = read[:, p % rows]
+        own = new[:, start]
+        lin[:, start] = as_read(own if kind == "full" else reference.dequantize_q8_0(*reference.quantize_q8_0(own)))
+    expect = np.empty((1, heads * hd), np.float32)
+    reference.attention(q, k_lin, v_lin, start, expect, 1 / np.sqrt(hd), window)
+    out = cp.full((1, heads * hd), cp.nan, cp.float32)
+    dev = cp.asarray(qkv)
+    args = (dev[:, : heads * hd].reshape(1, heads, hd), dev[:, heads * hd : (heads + kv) * hd].reshape(1, kv, hd),
+            dev[:, (heads + kv) * hd :].reshape(1, kv, hd), cp.asarray(cos), cp.asarray(sin), True, kc, vc,
+            cp.asarray([start], cp.int32), out, 1 / np.sqrt(hd), window)
+    launch(*args, scales=scales)
+    assert rel(out.get(), expect) < (2e-3 if form == "deep" else 1e-5)
+    stored = kc.get()[:, start % rows]
+    if kind == "full":
+        assert rel(stored.astype(np.float32), new_k[:, start]) < 1e-3
+    else:
+        assert_rows_rounded(stored, ks.get()[:, start % rows], new_k[:, start])
+
+
+@pytest.mark.skipif(not K.flash_attention_capable(1, 1), reason="flash attention needs compute capability 8.0")
+@pytest.mark.parametrize("kind", ["full", "q8_0"])
+@pytest.mark.parametrize("n,window,hd", [(70, 100, 128), (33, 64, 64), (130, 200, 256)])
+def test_flash_attention_across_a_ring(kind, n, window, hd):
+    """A prompt chunk on a ring of window + n - 1 rows (engine/kv_cache.py WindowedCache's size) holding the
+    chunk's own rows and the window before it, wrapped."""
+    rng = np.random.default_rng()
+    heads, kv = 8, 2
+    rows = window + n - 1
+    start = 3 * rows + 10
+    q = (rng.standard_normal((n, heads, hd)) * 2).astype(np.float32)
+    k_lin, v_lin = (rng.standard_normal((kv, start + n, hd)).astype(np.float32) for _ in range(2))
+    kc, ks, k_read = device_cache(ring_image(k_lin, rows, start + n - 1), kind)
+    vc, vs, v_read = device_cache(ring_image(v_lin, rows, start + n - 1), kind)
+    for lin, read in ((k_lin, k_read), (v_lin, v_read)):
+        for p in range(start + n - rows, start + n):
+            lin[:, p] = read[:, p % rows]
+    expect = np.empty((n, heads * hd), np.float32)
+    reference.attention(q, k_lin, v_lin, start, expect, 1 / np.sqrt(hd), window)
+    out = cp.full((n, heads * hd), cp.nan, cp.float32)
+    K.flash_attention(cp.asarray(q), kc, vc, cp.asarray([start], cp.int32), out, 1 / np.sqrt(hd), window,
+                      None if ks is None else (ks, vs))
+    err = np.abs(out.get() - expect).max() / np.abs(v_lin).max()
     assert err < 4e-3, err
 
 
