@@ -127,8 +127,8 @@ PROMPT = "<|im_start|>user\nWrite a haiku about the sea, in English, please.<|im
 
 @pytest.mark.slow
 def test_smollm2_answers_the_same_with_a_q8_0_cache(smollm2_gguf):
-    """Greedy text unchanged (18 tokens to the end of the turn), and the last prompt position's logits within a small share of their range of those
-    with the full (float32) cache; the q8_0 cache takes 34/128 of its bytes."""
+    """Greedy text unchanged (18 tokens to the end of the turn), and the last prompt position's logits within a small
+    share of their range of those with the full (float32) cache; the q8_0 cache takes 34/128 of its bytes."""
     from engine import GenerationSettings, load_model
 
     results = {}
