@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit, types
+from numba import njit, prange, types
 from numba.extending import overload
 
 _JIT = dict(nogil=True, fastmath=True, cache=True, error_model="numpy", boundscheck=False)
@@ -138,61 +138,102 @@ def _row_for(cache, scales, head, at, buf):
 
 
 @njit(**_JIT)
-def rope_attention_one(q, k, v, cos, sin, neox, k_cache, v_cache, position, out, scale, window, k_scale=None,
-                       v_scale=None):
-    """One token at `position`: rotate q (1, heads, d) and k (1, kv_heads, d), store k and v in the layer's
-    cache (kv_heads, max_tokens, d), then causal attention over positions up to it (the last `window` when
-    window > 0); out (1, heads * d). A q8_0 cache passes its int8 rows and the uint16 bits of its scales
-    (kv_heads, max_tokens, d / 32): the token is stored rounded, then attended as the cache holds it. Each key and
-    value row is read once for the group of query heads that share it, and the inner loops run over contiguous rows
-    (the group's queries copied out first), so they vectorize. Position j lives in row j mod max_tokens (a ring:
-    engine/backend.py rope_attention)."""
-    heads, d = q.shape[1], q.shape[2]
-    kv_heads = k.shape[1]
-    group = heads // kv_heads
+def _attend_part(queries, k_cache, v_cache, k_scale, v_scale, g, lo, hi, acc, stats):
+    """KV head g's query group (queries: (group, d), scaled) over cache positions lo .. hi - 1 (row p mod
+    max_tokens): the unnormalized softmax-weighted values acc (group, d), and stats (group, 2), each row's largest
+    score and sum of exp(score - it). Each key and value row is read once for the group, the inner loops run over
+    contiguous rows, so they vectorize."""
+    group, d = queries.shape
     rows = k_cache.shape[1]
-    for h in range(heads):
+    scores = np.empty((group, max(hi - lo, 1)), _F)
+    row = np.empty(d, _F)
+    for j in range(lo, hi):
+        key = _row(k_cache, k_scale, g, j % rows, row)
+        for hh in range(group):
+            s = _F(0)
+            for i in range(d):
+                s += queries[hh, i] * key[i]
+            scores[hh, j - lo] = s
+    acc[:] = 0
+    for hh in range(group):
+        top = scores[hh, : hi - lo].max() if hi > lo else _F(-np.inf)
+        total = _F(0)
+        for j in range(hi - lo):
+            scores[hh, j] = math.exp(scores[hh, j] - top)
+            total += scores[hh, j]
+        stats[hh, 0], stats[hh, 1] = top, total
+    for j in range(lo, hi):
+        value = _row(v_cache, v_scale, g, j % rows, row)
+        for hh in range(group):
+            p = scores[hh, j - lo]
+            for i in range(d):
+                acc[hh, i] += p * value[i]
+
+
+@njit(parallel=True, **_JIT)
+def _attend_parts(queries, k_cache, v_cache, k_scale, v_scale, first, n, acc, stats):
+    """_attend_part for every (KV head, split) of acc (kv_heads, splits, group, d), the splits dividing positions
+    first .. first + n - 1, on numba's threads."""
+    splits = acc.shape[1]
+    per = (n + splits - 1) // splits
+    for item in prange(acc.shape[0] * splits):
+        g, s = item // splits, item % splits
+        lo = first + min(n, s * per)
+        _attend_part(queries[g], k_cache, v_cache, k_scale, v_scale, g, lo, first + min(n, (s + 1) * per),
+                     acc[g, s], stats[g, s])
+
+
+@njit(**_JIT)
+def rope_store_one(q, k, v, cos, sin, neox, k_cache, v_cache, position, k_scale=None, v_scale=None):
+    """One token at `position`: rotate q (1, heads, d) and k (1, kv_heads, d) and store k and v in the layer's cache
+    (kv_heads, max_tokens, d), position p in row p mod max_tokens (a ring: engine/backend.py rope_attention). A q8_0
+    cache passes its int8 rows and the uint16 bits of its scales (kv_heads, max_tokens, d / 32): stored rounded."""
+    rows = k_cache.shape[1]
+    for h in range(q.shape[1]):
         _rotate(q[0, h], cos[position], sin[position], neox)
-    for h in range(kv_heads):
+    for h in range(k.shape[1]):
         _rotate(k[0, h], cos[position], sin[position], neox)
         _store(k[0, h], k_cache, k_scale, h, position % rows)
         _store(v[0, h], v_cache, v_scale, h, position % rows)
+
+
+@njit(**_JIT)
+def attend_one(q, k_cache, v_cache, position, out, scale, window, k_scale=None, v_scale=None, splits=1):
+    """The token at `position` (q rotated, its key and value stored: rope_store_one) attends to the positions up to
+    it (the last `window` when window > 0) as the cache holds them; out (1, heads * d). With splits > 1 each KV
+    head's positions are divided among numba's threads (the caller sets how many), the parts merged by their
+    maxima."""
+    heads, d = q.shape[1], q.shape[2]
+    kv_heads = k_cache.shape[0]
+    group = heads // kv_heads
     first = max(0, position - window + 1) if window > 0 else 0
     n = position + 1 - first
-    scores = np.empty((group, n), _F)
-    queries = np.empty((group, d), _F)
-    mixed = np.empty((group, d), _F)
-    row = np.empty(d, _F)
-    for g in range(kv_heads):
-        for hh in range(group):
-            for i in range(d):
-                queries[hh, i] = q[0, g * group + hh, i] * _F(scale)
-        for j in range(n):
-            key = _row(k_cache, k_scale, g, (first + j) % rows, row)
-            for hh in range(group):
-                s = _F(0)
-                for i in range(d):
-                    s += queries[hh, i] * key[i]
-                scores[hh, j] = s
-        for hh in range(group):
-            top = scores[hh].max()
-            total = _F(0)
-            for j in range(n):
-                scores[hh, j] = math.exp(scores[hh, j] - top)
-                total += scores[hh, j]
-            for j in range(n):
-                scores[hh, j] /= total
-        mixed[:] = 0
-        for j in range(n):
-            value = _row(v_cache, v_scale, g, (first + j) % rows, row)
-            for hh in range(group):
-                p = scores[hh, j]
-                for i in range(d):
-                    mixed[hh, i] += p * value[i]
-        for hh in range(group):
-            h = g * group + hh
-            for i in range(d):
-                out[0, h * d + i] = mixed[hh, i]
+    queries = np.empty((kv_heads, group, d), _F)
+    for h in range(heads):
+        for i in range(d):
+            queries[h // group, h % group, i] = q[0, h, i] * _F(scale)
+    acc = np.empty((kv_heads, splits, group, d), _F)
+    stats = np.empty((kv_heads, splits, group, 2), _F)
+    if splits > 1:
+        _attend_parts(queries, k_cache, v_cache, k_scale, v_scale, first, n, acc, stats)
+    else:
+        for g in range(kv_heads):
+            _attend_part(queries[g], k_cache, v_cache, k_scale, v_scale, g, first, first + n, acc[g, 0], stats[g, 0])
+    for h in range(heads):
+        g, hh = h // group, h % group
+        top = stats[g, :, hh, 0].max()
+        weights = np.zeros(splits, _F)  # an empty part (sum 0, max -inf) weighs nothing
+        for s in range(splits):
+            if stats[g, s, hh, 1] > 0:
+                weights[s] = math.exp(stats[g, s, hh, 0] - top)
+        total = _F(0)
+        for s in range(splits):
+            total += stats[g, s, hh, 1] * weights[s]
+        for i in range(d):
+            mixed = _F(0)
+            for s in range(splits):
+                mixed += acc[g, s, hh, i] * weights[s]
+            out[0, h * d + i] = mixed / total
 
 
 def is_gelu(activation: str) -> bool:

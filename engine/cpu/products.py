@@ -62,7 +62,7 @@ def matvec(planes: Planes, act: Activation, out: np.ndarray) -> None:
     blocks = min(threads(), planes.rows)
     big = blocks > 1 and planes.rows * planes.k >= PARALLEL_MIN_WEIGHTS
     w, x, code = planes.arrays(), act.arrays(), _code(planes)
-    if not (big and _parallel_call(dot.row_ranges, code, w, x, out, _split(planes.rows, blocks), threads=blocks)):
+    if not (big and parallel_call(dot.row_ranges, code, w, x, out, _split(planes.rows, blocks), threads=blocks)):
         dot.family_rows(code, w, x, 0, out, 0, planes.rows)
 
 
@@ -80,7 +80,7 @@ def expert_glu(gate: Planes, up: Planes, act: Activation, experts: np.ndarray, h
     ranges = _slot_ranges(experts, hidden.shape[0] // len(experts), threads_used)
     up_out = np.empty_like(hidden)
     args = (_code(gate), gate.arrays(), _code(up), up.arrays(), act.arrays(), hidden, up_out)
-    if not _parallel_call(dot.glu_ranges, *args, ranges, gelu, threads=threads_used):
+    if not parallel_call(dot.glu_ranges, *args, ranges, gelu, threads=threads_used):
         for r in ranges:
             dot.glu_range(*args, r, gelu)
 
@@ -91,7 +91,7 @@ def expert_mix(down: Planes, act: Activation, experts: np.ndarray, weights: np.n
     thread a run of the d rows over every slot, the slots summed in order (the same bits on any thread count)."""
     ranges = _split(out.shape[0], min(threads_used, out.shape[0]))
     args = (_code(down), down.arrays(), act.arrays(), experts, weights, out.shape[0], out)
-    if not _parallel_call(dot.mix_ranges, *args, ranges, threads=threads_used):
+    if not parallel_call(dot.mix_ranges, *args, ranges, threads=threads_used):
         for r in ranges:
             dot.mix_range(*args, r)
 
@@ -120,7 +120,7 @@ def _expert_ranges(experts, f, pieces):
     return out
 
 
-def _parallel_call(kernel, *args, threads: int) -> bool:
+def parallel_call(kernel, *args, threads: int) -> bool:
     """kernel(*args) on numba's thread pool; False when this machine has no thread-safe threading layer for it."""
     global _parallel
     if not _parallel:
