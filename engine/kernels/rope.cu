@@ -1,7 +1,8 @@
 // Rotary embedding fused with the KV-cache write: one block per (token, head), one thread per dim; q heads rotate
 // in place, k heads rotate in place and go to the cache with their v: fp16, or q8_0 (rope_store_kv_q8: a warp's
 // 32 dims are one group, the scales go to k_scale and v_scale), in the row cache_row gives. Position = start[0] +
-// token, read from device memory so a captured graph replays at any position. (Decode does this inside its attention kernel instead.)
+// token, read from device memory so a captured graph replays at any position. (Decode does this inside its
+// attention kernel instead.)
 
 template <bool Q8>
 __device__ __forceinline__ void rope_store_kv_impl(float* q, float* k, const float* __restrict__ v, long q_stride,
