@@ -32,6 +32,7 @@ from typing import Any, Callable, Protocol
 
 import numpy as np
 
+from engine.errors import EngineError
 from engine.gguf_file import GGUFTensor
 
 Array = Any
@@ -123,6 +124,12 @@ class RopeTable:
 # row as int8 under an fp16 scale (GGUF's Q8_0 block: 34 bytes for 32 values), about half the GPU's bytes.
 KV_CACHE_TYPES = ("full", "q8_0")
 Q8_0_GROUP = 32
+
+
+def check_kv_cache_type(kind: str, name: str = "The KV cache type") -> None:
+    """Raise EngineError, in a sentence naming the types there are, unless kind is one of KV_CACHE_TYPES."""
+    if kind not in KV_CACHE_TYPES:
+        raise EngineError(f"{name} must be one of {', '.join(map(repr, KV_CACHE_TYPES))}, not {kind!r}.")
 
 
 @dataclass

@@ -21,8 +21,8 @@ import cupyx
 import numpy as np
 
 from engine import quants
-from engine.backend import (KV_CACHE_TYPES, Q8_0_GROUP, ROPE_NEOX, ROPE_NORMAL, ExpertCacheStats, KVCache, MemoryInUse,
-                            RopeTable, SamplingParams)
+from engine.backend import (Q8_0_GROUP, ROPE_NEOX, ROPE_NORMAL, ExpertCacheStats, KVCache, MemoryInUse, RopeTable,
+                            SamplingParams, check_kv_cache_type)
 from engine.capabilities import DEQUANT_SCRATCH_ELEMENTS, GPU_KV_DTYPE, HOST_EXPERT_THREADS, MIN_COMPUTE_CAPABILITY
 from engine import expert_stream
 from engine.expert_cache import ExpertCache
@@ -195,8 +195,7 @@ class CupyBackend:
                 f"This model's attention heads have {head_dim} dims; the GPU backend supports "
                 f"{', '.join(map(str, K.HEAD_DIMS))}. Run it on the CPU with device='cpu'."
             )
-        if kind not in KV_CACHE_TYPES:
-            raise EngineError(f"Unknown KV cache type {kind!r}; use one of {', '.join(KV_CACHE_TYPES)}.")
+        check_kv_cache_type(kind)
         if kind == "full":
             shape = (n_layers, n_kv_heads, max_tokens, head_dim)
             return self._hold(KVCache(cupy.zeros(shape, GPU_KV_DTYPE), cupy.zeros(shape, GPU_KV_DTYPE)))

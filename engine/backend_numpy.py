@@ -12,7 +12,7 @@ from typing import Any, Callable
 import numpy as np
 
 from engine import quants
-from engine.backend import KV_CACHE_TYPES, Q8_0_GROUP, ROPE_NEOX, KVCache, MemoryInUse, RopeTable, SamplingParams
+from engine.backend import Q8_0_GROUP, ROPE_NEOX, KVCache, MemoryInUse, RopeTable, SamplingParams, check_kv_cache_type
 from engine.capabilities import CPU_KV_DTYPE
 from engine.cpu import experts, ops, products
 from engine.cpu.blas import blas_threads
@@ -64,11 +64,10 @@ class NumpyBackend:
         return self._hold(RopeTable(*reference.rope_tables(inv_freq, max_positions, attn_factor)))
 
     def kv_cache(self, n_layers: int, n_kv_heads: int, head_dim: int, max_tokens: int, kind: str = "full") -> KVCache:
+        check_kv_cache_type(kind)
         shape = (n_layers, n_kv_heads, max_tokens, head_dim)
         if kind == "full":
             return self._hold(KVCache(np.zeros(shape, self.kv_dtype), np.zeros(shape, self.kv_dtype)))
-        if kind != "q8_0":
-            raise EngineError(f"The KV cache type must be one of {', '.join(KV_CACHE_TYPES)}, not {kind!r}.")
         if head_dim % Q8_0_GROUP:
             raise EngineError(f"A q8_0 KV cache needs a head size that is a multiple of {Q8_0_GROUP}, not "
                               f"{head_dim}; use the full KV cache.")

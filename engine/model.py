@@ -13,7 +13,7 @@ import psutil
 
 from engine.arch import architecture_module
 from engine.arch.parts import MOE, MOE_SHARED, DecoderConfig
-from engine.backend import KV_CACHE_TYPES, Backend, ExpertCacheStats, MemoryInUse
+from engine.backend import Backend, ExpertCacheStats, MemoryInUse, check_kv_cache_type
 from engine.backend_numpy import NumpyBackend
 from engine.capabilities import DEFAULT_CONTEXT, MAX_PROMPT_CHUNK
 from engine.chat_template import ChatTemplate
@@ -248,8 +248,7 @@ def load_model(
     memory for that many of each such layer's experts, the ones its tokens pick most (engine/expert_cache.py).
     kv_cache_type: "full" (fp16 on the GPU, float32 on the CPU) or "q8_0" (34 bytes per 32 values: half the GPU's
     KV memory, so a longer context fits; the logits change slightly)."""
-    if kv_cache_type not in KV_CACHE_TYPES:
-        raise EngineError(f"kv_cache_type must be one of {', '.join(map(repr, KV_CACHE_TYPES))}, not {kv_cache_type!r}.")
+    check_kv_cache_type(kv_cache_type, "kv_cache_type")
     gguf = GGUFFile(path)
     try:
         arch = architecture_module(gguf.architecture, f"The model {gguf.path.name}")

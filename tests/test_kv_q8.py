@@ -55,7 +55,7 @@ def test_kv_cache_of_q8_0_and_unknown_kinds():
     assert cache.k_scale.shape == (3, 2, 10, 2)
     assert cache.nbytes == 2 * 3 * 2 * 10 * 64 * 34 // 32
     assert backend.kv_cache(3, 2, 64, 10).nbytes == 2 * 3 * 2 * 10 * 64 * 4
-    with pytest.raises(EngineError, match="one of full, q8_0, not 'q4_0'"):
+    with pytest.raises(EngineError, match="one of 'full', 'q8_0', not 'q4_0'"):
         backend.kv_cache(3, 2, 64, 10, "q4_0")
 
 

@@ -219,13 +219,12 @@ def attend_one(q, k_cache, v_cache, position, out, scale, window, k_scale=None, 
     else:
         for g in range(kv_heads):
             _attend_part(queries[g], k_cache, v_cache, k_scale, v_scale, g, first, first + n, acc[g, 0], stats[g, 0])
+    weights = np.empty(splits, _F)
     for h in range(heads):
         g, hh = h // group, h % group
         top = stats[g, :, hh, 0].max()
-        weights = np.zeros(splits, _F)  # an empty part (sum 0, max -inf) weighs nothing
-        for s in range(splits):
-            if stats[g, s, hh, 1] > 0:
-                weights[s] = math.exp(stats[g, s, hh, 0] - top)
+        for s in range(splits):  # an empty part (sum 0, max -inf) weighs nothing
+            weights[s] = math.exp(stats[g, s, hh, 0] - top) if stats[g, s, hh, 1] > 0 else _F(0)
         total = _F(0)
         for s in range(splits):
             total += stats[g, s, hh, 1] * weights[s]
