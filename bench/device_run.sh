@@ -1,7 +1,7 @@
 # One device call: install the carried wheels, run the GPU tests, then the speed benchmarks.
 # Usage (on the GPU machine, repo root): bash bench/device_run.sh [tests] [kernels] [shapes] [prompt] [synthetic] [profile] [smol]
 #                                        [archs] [memory] [issue5] [flash] [ram] [cache] [moe] [hybrid] [hybridbench] [kvq8]
-#                                        [ring]
+#                                        [ring] [moeab]
 # The GPU machine has no network: .whl/ holds the wheels it lacks (gguf; pydantic and its dependencies, which
 # tests/conftest.py's catalog lookup imports; `pip download` them for Python 3.12), and the SmolLM2 GGUF
 # (98 MB, over one call's 64 MB) travels in two parts, .carry/smol.part00 (copied to /tmp/strata by a first call) and
@@ -19,7 +19,9 @@
 # the q8_0 KV cache's GPU tests beside the fp16 cache's attention tests, the attention kernels alone on each cache,
 # and the synthetic Qwen3-8B (Q4_K_M mix) with each cache at prompts of KVQ8_PROMPTS="512 8192 32768" tokens. ring:
 # the KV cache tests (q8_0 and sliding-window rings) and the GPU's Gemma 3 ring against the CPU path, the older
-# attention tests, then the kvq8 step's model runs at RING_PROMPTS="512 32768".
+# attention tests, then the kvq8 step's model runs at RING_PROMPTS="512 32768". moeab: the mixture and prompt-product
+# tests, then the moe step's kernels (gpu_kernels.py moe prompt) and model runs (MOE_PROMPTS) for the code in
+# .carry/old (an earlier tree's engine/ and bench/, `git archive <commit> engine bench`) and for this one, in one call.
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 STRATA_TEST_CACHE=/tmp/strata
@@ -141,6 +143,21 @@ for part in "$@"; do
       for p in ${RING_PROMPTS:-512 32768}; do
         for kv in full q8_0; do
           timeout 200 python3 bench/bench_gpu.py "$f" --prompt $p --output 64 --repeats 2 --kv-cache $kv 2>&1 | tee -a "$OUT/ring_bench.jsonl"
+        done
+      done ;;
+    moeab)
+      timeout 240 python3 -m pytest -q -s -p no:cacheprovider --tb=short -rf tests/test_gpu_moe.py tests/test_gpu_kernels.py \
+        -k "moe or matmul or prompt" 2>&1 | tee "$OUT/moeab_tests.log" | grep -E "relative error|passed|failed|Error"
+      f=/tmp/strata/synthetic-qwen3-30b-a3b.gguf
+      [ -f "$f" ] || python3 bench/make_synthetic_gguf.py "$f" --shape qwen3-30b-a3b --type Q4_K_M
+      for tree in .carry/old .; do
+        echo "{\"tree\": \"$tree\"}" >> "$OUT/moeab_kernels.jsonl"
+        (cd $tree && timeout 150 python3 bench/gpu_kernels.py moe prompt) 2>&1 | tee -a "$OUT/moeab_kernels.jsonl"
+      done
+      for p in ${MOE_PROMPTS:-512 4096}; do
+        for tree in . .carry/old; do
+          echo "{\"tree\": \"$tree\"}" >> "$OUT/moeab_bench.jsonl"
+          (cd $tree && timeout 150 python3 bench/bench_gpu.py "$f" --prompt $p --output 64 --repeats 2) 2>&1 | tee -a "$OUT/moeab_bench.jsonl"
         done
       done ;;
   esac

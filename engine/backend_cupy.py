@@ -432,15 +432,20 @@ class CupyBackend:
     def _grouped_moe(self, x, gate: K.GpuWeight, up: K.GpuWeight, down: K.GpuWeight, ids, weights, out, hidden,
                      act: int) -> None:
         """A prompt chunk's experts as grouped products: the slots sorted by expert, each expert's weights read once
-        a tile of up to 64 of its slots, the down products' rows summed back per token."""
+        a tile of up to 64 of its slots, the down products' rows summed back per token. The products take fp16
+        activations (their tensor cores do), so x is rounded once here and the hidden rows are kept in fp16, in
+        the float32 scratch's memory."""
         n_experts = gate.shape[0]
         slots = ids.size
+        xh = self._buffer("x_f16", x.size, cupy.float16).reshape(x.shape)
+        K.to_f16(x, xh)
+        hidden = hidden.reshape(-1).view(cupy.float16)[: hidden.size].reshape(hidden.shape)
         order = self._buffer("moe_order", slots, cupy.int32)
         where = self._buffer("moe_where", slots, cupy.int32)
         tiles = self._buffer("moe_tiles", 3 * K.grouped_tiles(slots, n_experts), cupy.int32).reshape(-1, 3)
         y = self._buffer("moe_y", slots * out.shape[1], cupy.float32).reshape(slots, -1)
         K.moe_group(ids, n_experts, order, where, tiles)
-        K.grouped_matmul_glu(gate, up, x, tiles, order, ids.shape[1], hidden, act)
+        K.grouped_matmul_glu(gate, up, xh, tiles, order, ids.shape[1], hidden, act)
         K.grouped_matmul(down, hidden, tiles, y)
         K.moe_combine(y, where, weights, out)
 

@@ -442,15 +442,16 @@ class StagedWeight:
 
 def grouped_matmul_glu(gate: GpuWeight | StagedWeight, up: GpuWeight | StagedWeight, x: Any, tiles: Any, order: Any,
                        top_k: int, out: Any, act: int) -> None:
-    """out (n_slots, f), sorted slot pos = act(gate_e . x[token]) * (up_e . x[token]), slot order[pos] =
-    token * top_k + j routed to expert e; gate, up stacked (n_experts, f, k)."""
+    """out (n_slots, f) fp16, sorted slot pos = act(gate_e . x[token]) * (up_e . x[token]), slot order[pos] =
+    token * top_k + j routed to expert e; x (n, k) fp16; gate, up stacked (n_experts, f, k)."""
     _, f, k = gate.shape
     launch("matmul", N.grouped("grouped_matmul_glu", gate.suffix), (_blocks(f, MM_ROWS // 2), tiles.shape[0]), (128,),
            (*gate.args(), *up.args(), x, out, tiles, order, i32(top_k), i32(f), i32(k), i32(act)))
 
 
 def grouped_matmul(w: GpuWeight | StagedWeight, x: Any, tiles: Any, out: Any) -> None:
-    """out (n_slots, m) = w_e . x[pos] for each sorted row pos of expert e; w stacked (n_experts, m, k)."""
+    """out (n_slots, m) float32 = w_e . x[pos] for each sorted row pos of expert e; x (n_slots, k) fp16; w stacked
+    (n_experts, m, k)."""
     _, m, k = w.shape
     launch("matmul", N.grouped("grouped_matmul", w.suffix), (_blocks(m, MM_ROWS), tiles.shape[0]), (128,),
            (*w.args(), x, out, tiles, i32(m), i32(k)))

@@ -1,17 +1,22 @@
 // Prompt-chunk products on tensor cores, straight from the quantized planes: each block dequantizes a tile of
-// weight rows to fp16 in shared memory, converts the matching tile of float32 activations to fp16, and
-// multiplies them with mma.sync (fp32 accumulation). One launch per product, where the other prompt path
-// (dequantize to a scratch matrix, then cuBLAS) takes three: on small models the prompt is bound by launches.
+// weight rows to fp16 in shared memory, brings the matching tile of activations there as fp16, and multiplies them
+// with mma.sync (fp32 accumulation). One launch per product, where the other prompt path (dequantize to a scratch
+// matrix, then cuBLAS) takes three: on small models the prompt is bound by launches.
 //
-// out (n, m) float32 = x (n, k) . W (m, k)^T. A block covers MM_TOKENS tokens and MM_ROWS rows of shared memory
-// tile; four warps each compute 32 tokens x 32 tile rows. The gate/up variant loads 16 gate rows, then the same
-// 16 up rows, in each warp's 32 tile rows, so one thread holds gate and up of the same output and applies the
-// activation before storing: a block there covers MM_ROWS / 2 outputs.
+// out (n, m) = x (n, k) . W (m, k)^T. A block covers MM_TOKENS tokens and MM_ROWS rows of shared memory tile; four
+// warps each compute 32 tokens x 32 tile rows. The gate/up variant loads 16 gate rows, then the same 16 up rows, in
+// each warp's 32 tile rows, so one thread holds gate and up of the same output and applies the activation before
+// storing: a block there covers MM_ROWS / 2 outputs.
+//
+// Pipelined over K steps: while the tensor cores take step kt, step kt + 1's weight groups are in flight to
+// registers and its activations to shared memory (cp.async for fp16 activations; float32 ones go through registers
+// and are rounded on the way in). Weights become fp16 in three instructions a pair (i8_pair_f16, one fp16 fma with
+// the group's scale and offset), not through float conversions, which run at a quarter of the ALU's rate.
 //
 // Grouped form (a mixture's prompt chunk): the chunk's (token, expert) slots sorted by expert (moe_group), each
 // block one tile of up to MM_TOKENS sorted slots of one expert, so an expert's weights are read once a tile, not
-// once a slot. Its activation rows are gathered (gate/up read the token's row of x) or the sorted rows themselves
-// (down reads the hidden rows gate/up wrote in sorted order); outputs are written in sorted order.
+// once a slot. Its fp16 activation rows are gathered (gate/up read the token's row of x) or the sorted rows
+// themselves (down reads the fp16 hidden rows gate/up wrote in sorted order); outputs are written in sorted order.
 
 constexpr int MM_TOKENS = 64, MM_ROWS = 64, MM_K = 64;
 constexpr int MM_LD = MM_K + 8;  // padded row (144 bytes): ldmatrix's eight row addresses hit distinct banks
@@ -36,66 +41,122 @@ struct Tile {
     long w0;
 };
 
-// One K step's tiles into shared memory: 128 threads each dequantize one group of 32 weights (tile row t / 2,
-// group t % 2 of the step) and convert 32 activations (eight float4 loads, two rows of 256 bytes a warp load).
+// A thread's weight group of a K step (tile row threadIdx.x / 2, group threadIdx.x % 2 of the step), as
+// decode_group yields it: value i = sc[i / 16] * (signed byte i of w) + mn.
+struct WeightGroup {
+    int w[8];
+    float sc[2], mn;
+};
+
+// Branch-free (rows and groups past the matrix read its last ones and are zeroed by their scales), so the loads
+// stay in flight while the tensor cores work.
 template <class B, bool GLU>
-__device__ __forceinline__ void load_tiles(const Planes& p0, const Planes& p1, const float* __restrict__ x, long ldx,
-                                           const Tile& tile, int m, int k, int kt, u16 (*ws)[MM_LD],
-                                           u16 (*xs)[MM_LD]) {
+__device__ __forceinline__ void fetch_weights(const Planes& p0, const Planes& p1, const Tile& tile, int m, int k,
+                                              int kt, WeightGroup& g) {
     const int t = threadIdx.x;
-    const int j = t >> 1, half = t & 1;
-    const int g = kt * (MM_K / 32) + half;
+    const int group = kt * (MM_K / 32) + (t & 1);
     int which;
-    const int row = tile_row<GLU>(blockIdx.x, j, which);
-    uint4* dst = reinterpret_cast<uint4*>(&ws[j][32 * half]);
-    if (row < m && g < k / 32) {
-        int q[8];
-        float sc[2], mn;
-        // Field by field: a selected struct would go through local memory.
-        const Planes p{which ? p1.q : p0.q, which ? p1.h : p0.h, which ? p1.s : p0.s, which ? p1.d : p0.d};
-        decode_group<B>(p, tile.w0 + row, k, g, q, sc, mn);
+    const int row = tile_row<GLU>(blockIdx.x, t >> 1, which);
+    // Field by field: a selected struct would go through local memory.
+    const Planes p{which ? p1.q : p0.q, which ? p1.h : p0.h, which ? p1.s : p0.s, which ? p1.d : p0.d};
+    decode_group<B>(p, tile.w0 + min(row, m - 1), k, min(group, k / 32 - 1), g.w, g.sc, g.mn);
+    if (row >= m || group >= k / 32) g.sc[0] = g.sc[1] = g.mn = 0.0f;
+}
+
+template <bool HIGH>
+__device__ __forceinline__ u32 scaled_pair(u32 w, u32 sc2, u32 mn2) {
+    u32 h = i8_pair_f16<HIGH>(w);
+    asm("fma.rn.f16x2 %0, %0, %1, %2;" : "+r"(h) : "r"(sc2), "r"(mn2));
+    return h;
+}
+
+__device__ __forceinline__ void store_weights(const WeightGroup& g, u16 (*ws)[MM_LD]) {
+    const int t = threadIdx.x;
+    const u32 mn2 = both_halves(f2h(g.mn));
+    uint4* dst = reinterpret_cast<uint4*>(&ws[t >> 1][32 * (t & 1)]);
 #pragma unroll
-        for (int c = 0; c < 4; ++c) {
-            u32 u[4];
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int i = 8 * c + 2 * e;
-                const float lo = sc[i / 16] * (float)(signed char)((q[i / 4] >> (8 * (i % 4))) & 0xFF) + mn;
-                const float hi = sc[i / 16] * (float)(signed char)((q[i / 4] >> (8 * (i % 4 + 1))) & 0xFF) + mn;
-                u[e] = half2_bits(lo, hi);
-            }
-            dst[c] = make_uint4(u[0], u[1], u[2], u[3]);
-        }
-    } else {
-#pragma unroll
-        for (int c = 0; c < 4; ++c) dst[c] = make_uint4(0, 0, 0, 0);
-    }
-#pragma unroll
-    for (int i = 0; i < MM_TOKENS * MM_K / 4 / 128; ++i) {
-        const int f = i * 128 + t;
-        const int tok = f / (MM_K / 4), col = 4 * (f % (MM_K / 4));
-        const int kk = kt * MM_K + col;
-        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (tok < tile.count && kk < k) v = __ldg(reinterpret_cast<const float4*>(x + tile.xrow[tok] * ldx + kk));
-        *reinterpret_cast<uint2*>(&xs[tok][col]) = make_uint2(half2_bits(v.x, v.y), half2_bits(v.z, v.w));
+    for (int c = 0; c < 4; ++c) {
+        const u32 sc2 = both_halves(f2h(g.sc[c / 2])), lo = g.w[2 * c], hi = g.w[2 * c + 1];
+        dst[c] = make_uint4(scaled_pair<false>(lo, sc2, mn2), scaled_pair<true>(lo, sc2, mn2),
+                            scaled_pair<false>(hi, sc2, mn2), scaled_pair<true>(hi, sc2, mn2));
     }
 }
 
-template <class B, bool GLU>
-__device__ __forceinline__ void matmul_q(const Planes& p0, const Planes& p1, const float* __restrict__ x, long ldx,
-                                         float* __restrict__ out, long ldo, const Tile& tile, int m, int k, int act) {
+// A K step's activation tile, MM_TOKENS rows of MM_K values: fetched during the step before, stored at its start.
+template <class X>
+struct ActivationTile;
+
+// float32 activations: eight float4 registers a thread, rounded to fp16 on the way into shared memory.
+template <>
+struct ActivationTile<float> {
+    static constexpr int LOADS = MM_TOKENS * MM_K / 4 / 128;
+    float4 v[LOADS];
+    __device__ void fetch(const float* __restrict__ x, long ldx, const Tile& tile, int k, int kt, u16 (*)[MM_LD]) {
+#pragma unroll
+        for (int i = 0; i < LOADS; ++i) {
+            const int f = i * 128 + threadIdx.x;
+            const int tok = f / (MM_K / 4), kk = kt * MM_K + 4 * (f % (MM_K / 4));
+            v[i] = tok < tile.count && kk < k ? __ldg(reinterpret_cast<const float4*>(x + tile.xrow[tok] * ldx + kk))
+                                             : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+    }
+    __device__ void store(u16 (*xs)[MM_LD]) const {
+#pragma unroll
+        for (int i = 0; i < LOADS; ++i) {
+            const int f = i * 128 + threadIdx.x;
+            *reinterpret_cast<uint2*>(&xs[f / (MM_K / 4)][4 * (f % (MM_K / 4))]) =
+                make_uint2(half2_bits(v[i].x, v[i].y), half2_bits(v[i].z, v[i].w));
+        }
+    }
+};
+
+// fp16 activations: copied to shared memory by cp.async, 16 bytes at a time; nothing held in registers.
+template <>
+struct ActivationTile<u16> {
+    static constexpr int COPIES = MM_TOKENS * MM_K / 8 / 128;
+    __device__ void fetch(const u16* __restrict__ x, long ldx, const Tile& tile, int k, int kt, u16 (*xs)[MM_LD]) {
+#pragma unroll
+        for (int i = 0; i < COPIES; ++i) {
+            const int f = i * 128 + threadIdx.x;
+            const int tok = f / (MM_K / 8), col = 8 * (f % (MM_K / 8)), kk = kt * MM_K + col;
+            const bool fill = tok < tile.count && kk < k;
+            copy16(&xs[tok][col], x + (fill ? tile.xrow[tok] * ldx + kk : 0), fill);
+        }
+        copies_commit();
+    }
+    __device__ void store(u16 (*)[MM_LD]) const { copies_wait<0>(); }
+};
+
+__device__ __forceinline__ void store_pair(float* out, float2 v) { *reinterpret_cast<float2*>(out) = v; }
+__device__ __forceinline__ void store_pair(u16* out, float2 v) { *reinterpret_cast<u32*>(out) = half2_bits(v.x, v.y); }
+
+template <class B, bool GLU, class X, class O>
+__device__ __forceinline__ void matmul_q(const Planes& p0, const Planes& p1, const X* __restrict__ x, long ldx,
+                                         O* __restrict__ out, long ldo, const Tile& tile, int m, int k, int act) {
     __shared__ __align__(16) u16 ws[2][MM_ROWS][MM_LD];
     __shared__ __align__(16) u16 xs[2][MM_TOKENS][MM_LD];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int wm = warp >> 1, wn = warp & 1;  // this warp's 32 tokens and 32 tile rows
+    const bool busy = wm * 32 < tile.count;   // a warp whose tokens all lie past the tile skips the products
     float acc[2][4][4] = {};
     const int steps = (k + MM_K - 1) / MM_K;
+    WeightGroup g;
+    ActivationTile<X> xt;
+    fetch_weights<B, GLU>(p0, p1, tile, m, k, 0, g);
+    xt.fetch(x, ldx, tile, k, 0, xs[0]);
     for (int kt = 0; kt < steps; ++kt) {
-        // Two buffers, one barrier a step: a warp writing buffer b has passed step kt - 1's barrier, which every
-        // warp reaches only after its products on b in step kt - 2.
+        // Two buffers, one barrier a step: buffer b is written before step kt's barrier by threads that have passed
+        // step kt - 1's, which every warp reaches only after its products on b in step kt - 2; the copies into
+        // b ^ 1 start after step kt's barrier, which follows every warp's products on b ^ 1 in step kt - 1.
         const int b = kt & 1;
-        load_tiles<B, GLU>(p0, p1, x, ldx, tile, m, k, kt, ws[b], xs[b]);
+        store_weights(g, ws[b]);
+        xt.store(xs[b]);
         __syncthreads();
+        if (kt + 1 < steps) {
+            fetch_weights<B, GLU>(p0, p1, tile, m, k, kt + 1, g);
+            xt.fetch(x, ldx, tile, k, kt + 1, xs[b ^ 1]);
+        }
+        if (!busy) continue;
 #pragma unroll
         for (int ks = 0; ks < MM_K / 16; ++ks) {
             u32 a[2][4], w[2][4];
@@ -128,7 +189,7 @@ __device__ __forceinline__ void matmul_q(const Planes& p0, const Planes& p1, con
                     v.x = activate(v.x, act) * acc[mi][nb + 2][2 * h];
                     v.y = activate(v.y, act) * acc[mi][nb + 2][2 * h + 1];
                 }
-                *reinterpret_cast<float2*>(out + (tile.out0 + t) * ldo + row) = v;
+                store_pair(out + (tile.out0 + t) * ldo + row, v);
             }
         }
 }
@@ -249,7 +310,7 @@ struct HostQ8 {
 
 #define GROUPED_Q(name, B)                                                                                         \
     extern "C" __global__ void __launch_bounds__(128) grouped_matmul_##name(                                       \
-        const u8* q, const u8* h, const u8* s, const u8* d, const float* x, float* out, const int* tiles, int m,   \
+        const u8* q, const u8* h, const u8* s, const u8* d, const u16* x, float* out, const int* tiles, int m,     \
         int k) {                                                                                                   \
         grid_dependency_sync();                                                                                    \
         __shared__ int xrow[MM_TOKENS];                                                                            \
@@ -260,7 +321,7 @@ struct HostQ8 {
     }                                                                                                              \
     extern "C" __global__ void __launch_bounds__(128) grouped_matmul_glu_##name(                                   \
         const u8* gq, const u8* gh, const u8* gs, const u8* gd, const u8* uq, const u8* uh, const u8* us,           \
-        const u8* ud, const float* x, float* out, const int* tiles, const int* order, int top_k, int m, int k,     \
+        const u8* ud, const u16* x, u16* out, const int* tiles, const int* order, int top_k, int m, int k,         \
         int act) {                                                                                                 \
         grid_dependency_sync();                                                                                    \
         __shared__ int xrow[MM_TOKENS];                                                                            \

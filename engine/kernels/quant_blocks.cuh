@@ -385,13 +385,20 @@ __device__ __forceinline__ void quantize_group(float v, long g, signed char* xq,
 
 // ---- the KV cache's rows: fp16, or q8_0 (half the bytes), for attention.cu, flash_attention.cu and rope.cu ----
 
-// Int8 values times their scale as fp16, in four instructions a pair: a byte biased to unsigned (u = q + 128) under
-// the byte 0x64 is the fp16 1024 + u (exact), 1152 taken off leaves q, and one fp16 product rounds q * scale once,
-// as f2h(q * scale) would. The pair: bytes 0 and 1 of w (HIGH: 2 and 3); s2: the scale's fp16 bits in both halves.
+// Two signed bytes as exact fp16 values, in two instructions: a byte biased to unsigned (u = q + 128) under the byte
+// 0x64 is the fp16 1024 + u, and 1152 taken off leaves q. The pair: bytes 0 and 1 of w (HIGH: 2 and 3).
 template <bool HIGH = false>
-__device__ __forceinline__ u32 q8_pair(u32 w, u32 s2) {
+__device__ __forceinline__ u32 i8_pair_f16(u32 w) {
     u32 h = __byte_perm(w ^ 0x80808080u, 0x64646464u, HIGH ? 0x4342 : 0x4140);
     asm("sub.f16x2 %0, %0, %1;" : "+r"(h) : "r"(0x64806480u));
+    return h;
+}
+
+// Int8 values times their scale as fp16: one fp16 product rounds q * scale once, as f2h(q * scale) would. s2: the
+// scale's fp16 bits in both halves.
+template <bool HIGH = false>
+__device__ __forceinline__ u32 q8_pair(u32 w, u32 s2) {
+    u32 h = i8_pair_f16<HIGH>(w);
     asm("mul.f16x2 %0, %0, %1;" : "+r"(h) : "r"(s2));
     return h;
 }
