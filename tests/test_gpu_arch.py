@@ -121,7 +121,7 @@ def test_sliding_window_ring_matches_cpu(tmp_path, tokenizer_source, kv_cache):
     hf = _build("gemma3", head_dim=HEAD_DIM).eval()
     _randomize_norms(hf)
     path = tmp_path / "tiny-gemma3.gguf"
-    write_gguf(hf, "gemma3", path, tokenizer_source)
+    write_gguf(hf, "gemma3", path, tokenizer_source, context_length=1024)
     cpu = load_model(path, device="cpu", context_length=1024, kv_cache_type=kv_cache)
     gpu = load_model(path, device="cuda", context_length=1024, kv_cache_type=kv_cache)
     try:
@@ -134,7 +134,9 @@ def test_sliding_window_ring_matches_cpu(tmp_path, tokenizer_source, kv_cache):
         spread = theirs.max(axis=-1) - theirs.min(axis=-1)
         error = float(np.max(np.abs(ours - theirs).max(axis=-1) / spread))
         print(f"gemma3 ring ({kv_cache}): prompt logits max |GPU - CPU| / logit range = {error:.2e}")
-        assert error < LOGIT_TOLERANCE
+        # Each side rounds its own keys and values to q8_0 (from fp16 on the GPU, float32 on the CPU), so an element
+        # near a rounding boundary lands a level apart: the q8_0 bound of tests/test_gpu_kv_cache.py.
+        assert error < (LOGIT_TOLERANCE if kv_cache == "full" else 2e-2)
         ours, theirs = _greedy(gpu, ids), _greedy(cpu, ids)
         if ours != theirs:
             first = next(i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b)
