@@ -160,10 +160,11 @@ struct KeyTile {
     template <bool EARLY = false, class Rows>
     __device__ static void load(const Rows& keys, int j0, int hi, uint4 (&kv)[N]) {
         const int lane = threadIdx.x & 31;
+        const long r0 = keys.row(j0);
 #pragma unroll
         for (int i = 0; i < N; ++i) {
-            const int j = j0 + i * KPI + lane / LPK;
-            if (j < hi) kv[i] = keys.template load8<EARLY>(j, 8 * (lane % LPK));
+            const int d = i * KPI + lane / LPK;
+            if (j0 + d < hi) kv[i] = keys.template load8<EARLY>(keys.step(r0, d), 8 * (lane % LPK));
         }
     }
 
@@ -224,11 +225,12 @@ __device__ __forceinline__ void warp_attend(const float* qs, const Rows& keys, c
         const int cnt = min(32, hi - j0);
         for (int jj = 0; jj < cnt; jj += VT) {
             u32 vv[VT][WPL];
+            const long r0 = values.row(j0 + jj);
 #pragma unroll
             for (int t = 0; t < VT; ++t)
 #pragma unroll
                 for (int c = 0; c < WPL; ++c)
-                    vv[t][c] = jj + t < cnt ? values.load2(j0 + jj + t, 64 * c + 2 * lane) : 0u;
+                    vv[t][c] = jj + t < cnt ? values.load2(values.step(r0, t), 64 * c + 2 * lane) : 0u;
 #pragma unroll
             for (int t = 0; t < VT; ++t) {
                 const float pj = jj + t < cnt ? __shfl_sync(0xFFFFFFFFu, p, (jj + t) & 31) : 0.0f;
@@ -523,11 +525,12 @@ __device__ __forceinline__ void attention_decode_split_impl(
         const int cnt = min(32, cached_hi - j0);
         for (int jj = 0; jj < cnt; jj += VT) {
             u32 vv[VT][WPL];
+            const long r0 = values.row(j0 + jj);
 #pragma unroll
             for (int t = 0; t < VT; ++t)
 #pragma unroll
                 for (int c = 0; c < WPL; ++c)
-                    vv[t][c] = jj + t < cnt ? values.load2(j0 + jj + t, 64 * c + 2 * lane) : 0u;
+                    vv[t][c] = jj + t < cnt ? values.load2(values.step(r0, t), 64 * c + 2 * lane) : 0u;
 #pragma unroll
             for (int h = 0; h < G; ++h) {
                 if (h >= group) break;

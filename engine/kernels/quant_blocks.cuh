@@ -430,6 +430,10 @@ struct CacheRows {
 
     __device__ long row(long j) const { return cache_row(j, rows); }
 
+    // The row d positions after row r (0 <= d < rows): a run of positions read one after another maps its first
+    // position once (row) and steps from there with a select, so the run's loads carry no modulo and stay together.
+    __device__ long step(long r, int d) const { return r + d < rows ? r + d : r + d - rows; }
+
     // Ask L2 for the lines of positions lo .. hi - 1 (at most `rows` of them, wrapping in a ring), thread t of n.
     __device__ void prefetch(int lo, int hi, int t, int n) const {
         const long at = row(lo), len = hi - lo, before_wrap = min(len, (long)rows - at);
@@ -438,10 +442,10 @@ struct CacheRows {
         for (long off = 128L * t; off < (len - before_wrap) * ROW_BYTES; off += 128L * n) prefetch_l2_line(data + off);
     }
 
-    // Dims col .. col + 7 of row j (col a multiple of 8). EARLY: an fp16 row's load before grid_dependency_sync.
+    // Dims col .. col + 7 of row j (a row, not a position: see row and step; col a multiple of 8). EARLY: an fp16
+    // row's load before grid_dependency_sync.
     template <bool EARLY = false>
     __device__ uint4 load8(long j, int col) const {
-        j = row(j);
         if constexpr (Q8) {
             return q8_half8(__ldg(reinterpret_cast<const uint2*>(data + j * HD + col)),
                             both_halves(__ldg(scale + j * (HD / 32) + col / 32)));
@@ -451,9 +455,8 @@ struct CacheRows {
         }
     }
 
-    // Dims d, d + 1 of row j (d even).
+    // Dims d, d + 1 of row j (a row, as for load8; d even).
     __device__ u32 load2(long j, int d) const {
-        j = row(j);
         if constexpr (Q8)
             return q8_pair(__ldg(reinterpret_cast<const u16*>(data + j * HD + d)),
                            both_halves(__ldg(scale + j * (HD / 32) + d / 32)));
