@@ -6,8 +6,9 @@ product per token and expert, and the grouped products).
 Prints one JSON line per measurement. Decode launches are captured in a CUDA graph and replayed, rotating over
 enough weight copies that they do not fit in L2, so the time is the kernel's, not Python's or the cache's.
 matvec_shapes also times the kernel shapes the backend never picks (kernel_names.SWEEP_SHAPES): the first launch
-of one builds the sweep copy of matvec.cu that holds them.
-Usage: python bench/gpu_kernels.py [copy] [read] [matvec] [matvec_shapes] [prompt] [moe]
+of one builds the sweep copy of matvec.cu that holds them. delta: a hybrid model's delta rule over a prompt chunk, token
+by token and chunked.
+Usage: python bench/gpu_kernels.py [copy] [read] [matvec] [matvec_shapes] [prompt] [moe] [delta]
 """
 
 from __future__ import annotations
@@ -208,6 +209,40 @@ def bench_moe(rng):
     backend.close()
 
 
+# Gated DeltaNet mixers: (key heads, value heads, key head size, value head size).
+DELTA_SHAPES = {"Qwen3.6-35B-A3B": (16, 32, 128, 128), "Qwen3.8-27B": (16, 48, 128, 128)}
+
+
+def bench_delta(rng):
+    """The delta rule of one recurrent layer over a prompt chunk of n tokens, both forms: token by token (the decode
+    kernel) and chunked on tensor cores (delta_chunk_prep + delta_chunk_state), eager as the prompt path launches
+    them, with the chunked form's relative error against the token-by-token one."""
+    for label, (n_k, n_v, dk, dv) in DELTA_SHAPES.items():
+        for n in (16, 32, 64, 128, 512):
+            with cp.cuda.Stream(non_blocking=True):
+                qkv = cp.asarray(rng.standard_normal((n, 2 * n_k * dk + n_v * dv)).astype(np.float32))
+                ba = cp.asarray(rng.standard_normal((n, 2 * n_v)).astype(np.float32))
+                dt_bias = cp.asarray(rng.standard_normal(n_v).astype(np.float32))
+                ssm_a = cp.asarray(-np.exp(rng.standard_normal(n_v)).astype(np.float32))
+                start = cp.asarray((rng.standard_normal((n_v, dk, dv)) * 0.1).astype(np.float32))
+                state, out = start.copy(), cp.empty((n, n_v * dv), cp.float32)
+                scratch = tuple(cp.empty(shape, dtype) for shape, dtype in zip(
+                    K.delta_chunk_scratch(n, n_v, dk, dv), (cp.float32, cp.uint16, cp.uint16, cp.float32)))
+                row = {"kernel": "delta_rule", "shape": label, "n": n}
+                forms = {"token": lambda: K.gated_delta_net(qkv, ba, dt_bias, ssm_a, state, out, n_k, True),
+                         "chunked": lambda: K.gated_delta_net_chunked(qkv, ba, dt_bias, ssm_a, state, out, n_k, True,
+                                                                      scratch)}
+                results = {}
+                for form, launch in forms.items():
+                    state[...] = start
+                    launch()
+                    results[form] = cp.asnumpy(out)
+                    row[f"{form}_us"] = round(timed_eager(launch) * 1e6, 1)
+                want = results["token"]
+                row["chunked_relative_error"] = float(np.linalg.norm(results["chunked"] - want) / np.linalg.norm(want))
+                print(json.dumps(row), flush=True)
+
+
 def bench_copy():
     a = cp.empty(2**30, cp.uint8)
     b = cp.empty_like(a)
@@ -265,6 +300,8 @@ def main() -> None:
         bench_prompt(rng)
     if "moe" in parts:
         bench_moe(rng)
+    if "delta" in parts:
+        bench_delta(rng)
 
 
 if __name__ == "__main__":

@@ -520,7 +520,14 @@ class CupyBackend:
         if state.shape[1] not in N_DELTA_KEY_DIMS:
             raise EngineError(f"The GPU backend's delta rule takes key heads of {', '.join(map(str, N_DELTA_KEY_DIMS))}"
                               f" values, not {state.shape[1]}. Run this model on the CPU with device='cpu'.")
-        K.gated_delta_net(qkv, ba, dt_bias.data, ssm_a.data, state, out, n_k_heads, tiled)
+        n, (n_v, dk, dv) = qkv.shape[0], state.shape
+        if not K.delta_chunked(n, dk, dv):
+            K.gated_delta_net(qkv, ba, dt_bias.data, ssm_a.data, state, out, n_k_heads, tiled)
+            return
+        scratch = tuple(self._buffer(f"delta_{name}", int(np.prod(shape)), dtype).reshape(shape) for name, shape, dtype
+                        in zip(("u", "wqk", "p", "last"), K.delta_chunk_scratch(n, n_v, dk, dv),
+                               (cupy.float32, cupy.uint16, cupy.uint16, cupy.float32)))
+        K.gated_delta_net_chunked(qkv, ba, dt_bias.data, ssm_a.data, state, out, n_k_heads, tiled, scratch)
 
     @_op("out")
     def gated_rms_norm(self, x, gate, weight: K.GpuWeight, eps: float, out) -> None:

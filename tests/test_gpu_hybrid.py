@@ -2,9 +2,10 @@
 
 Each op of their recurrent layers (hybrid.cu, norms.cu gated_rms_norm) against its NumPy reference on fresh random
 inputs, column views where the model passes them and NaN-poisoned outputs: the causal convolution and the delta
-rule for one token and for a chunk, continuing from a random state (relative error under 1e-4 of outputs and
-states; the reference runs the chunked form for a chunk, which agrees with the recurrent one to float32 rounding),
-the gated norm and the sigmoid gates under 1e-5.
+rule token by token, for one token and for a chunk, continuing from a random state (relative error under 1e-4 of
+outputs and states; the reference runs the chunked form for a chunk, which agrees with the recurrent one to float32
+rounding), its chunked prompt form on tensor cores (whole and ragged chunks; under 2e-3, its products' operands
+being fp16), the gated norm and the sigmoid gates under 1e-5.
 
 Then the tiny random qwen35, qwen35moe and qwen3next models of tests/test_engine_hybrid.py, with the head sizes the
 GPU kernels have (attention 64, DeltaNet 64), loaded on both paths: prompt logits (a short prompt and one of more
@@ -31,8 +32,7 @@ cp = require_gpu()
 pytestmark = pytest.mark.gpu
 
 from engine.backend_cupy import CupyBackend  # noqa: E402  (needs CuPy)
-
-
+from engine.kernels import cuda as K  # noqa: E402  (needs CuPy)
 
 
 def f32(backend, name, values):
@@ -68,9 +68,9 @@ def test_causal_conv_silu(n):
     backend.close()
 
 
-@pytest.mark.parametrize("n", [1, 150])
-@pytest.mark.parametrize("dk,dv,tiled", [(16, 16, True), (64, 64, False), (128, 128, True), (128, 64, False)])
-def test_gated_delta_net(n, dk, dv, tiled):
+def check_delta_rule(n, dk, dv, tiled, chunked):
+    """The delta rule on a chunk of n tokens (column views) from a random state against the reference; chunked: the
+    backend's op, which must take the chunked form, else the token-by-token kernel launched directly."""
     rng = np.random.default_rng()
     backend = CupyBackend()
     n_k, n_v = 2, 4
@@ -82,14 +82,38 @@ def test_gated_delta_net(n, dk, dv, tiled):
     with backend.stream:
         dev_state = cp.asarray(state)
         out = cp.full((n, n_v * dv), np.nan, cp.float32)
-    backend.gated_delta_net(wide(backend, qkv), wide(backend, ba, 3), f32(backend, "dt", dt_bias),
-                            f32(backend, "a", ssm_a), dev_state, out, n_k, tiled)
+    args = (wide(backend, qkv), wide(backend, ba, 3), f32(backend, "dt", dt_bias), f32(backend, "a", ssm_a), dev_state,
+            out, n_k, tiled)
+    if chunked:
+        assert K.delta_chunked(n, dk, dv)
+        backend.gated_delta_net(*args)
+    else:
+        with backend.stream:
+            K.gated_delta_net(*args[:2], args[2].data, args[3].data, *args[4:])
     want = np.empty((n, n_v * dv), np.float32)
     reference.gated_delta_net(qkv, ba, dt_bias, ssm_a, state, want, n_k, tiled)
     error, state_error = rel(backend.to_host(out), want), rel(backend.to_host(dev_state), state)
-    print(f"delta rule n={n} dk={dk} dv={dv}: relative error {error:.2e}, state {state_error:.2e}")
-    assert error < 1e-4 and state_error < 1e-4
+    form = "chunked" if chunked else "token by token"
+    print(f"delta rule {form} n={n} dk={dk} dv={dv}: relative error {error:.2e}, state {state_error:.2e}")
     backend.close()
+    return error, state_error
+
+
+@pytest.mark.parametrize("n", [1, 150])
+@pytest.mark.parametrize("dk,dv,tiled", [(16, 16, True), (64, 64, False), (128, 128, True), (128, 64, False)])
+def test_gated_delta_net_token_by_token(n, dk, dv, tiled):
+    error, state_error = check_delta_rule(n, dk, dv, tiled, chunked=False)
+    assert error < 1e-4 and state_error < 1e-4
+
+
+@pytest.mark.parametrize("n", [64, 150, 511])
+@pytest.mark.parametrize("dk,dv,tiled", [(64, 64, False), (128, 128, True), (128, 64, False), (64, 96, True)])
+def test_gated_delta_net_chunked(n, dk, dv, tiled):
+    """The prompt form's products take fp16 operands (float32 sums): its bound is the tensor-core kernels' 2e-3."""
+    if not K.delta_chunked(n, dk, dv):
+        pytest.skip("the chunked delta rule needs tensor cores (compute capability 8.0 or newer)")
+    error, state_error = check_delta_rule(n, dk, dv, tiled, chunked=True)
+    assert error < 2e-3 and state_error < 2e-3
 
 
 def test_gated_rms_norm_and_sigmoid_gates():
@@ -235,9 +259,13 @@ def test_logits_and_greedy_tokens_match_the_cpu_path(pair):
                 assert later is not None and later[2] < TIE, f"differs at token {first} with no tie before it"
 
 
-def test_a_second_turn_reuses_the_state_on_the_gpu(pair):
+def test_a_second_turn_reuses_the_state_on_the_gpu(pair, monkeypatch):
+    """Every prompt here goes token by token (float32), as the state reuse is what is checked: a fresh run of the
+    longer prompt would take the chunked form (fp16 products), whose rounding moves the tiny mixture's near-tie expert
+    choices (the chunked form is checked above and in the models' logits)."""
     from test_engine_hybrid import QUESTION, _fresh_chat
 
+    monkeypatch.setattr(K, "DELTA_CHUNK_MIN_TOKENS", 1 << 30)
     arch, _, gpu = pair
     first = gpu.chat(QUESTION, GREEDY)
     follow = QUESTION + [{"role": "assistant", "content": first.text}, {"role": "user", "content": "And of Italy?"}]

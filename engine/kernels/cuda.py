@@ -781,6 +781,53 @@ def gated_delta_net(qkv: Any, ba: Any, dt_bias: Any, ssm_a: Any, state: Any, out
             i64(out.strides[0] // 4), i32(n), i32(n_k), i32(n_v), i32(dv), i32(1 if tiled else 0)))
 
 
+DELTA_CHUNK = 64  # tokens a chunk of the delta rule's prompt form (hybrid.cu DC)
+DELTA_COLUMNS = 32  # state columns a block of delta_chunk_state (hybrid.cu DCOLS)
+# Fewer tokens go token by token: on an H100 at the Qwen3.6-35B-A3B shape 16 tokens took 39.4 us that way against
+# 67.7 chunked, 32 tokens 70.0 against 52.4 (bench/gpu_kernels.py delta).
+DELTA_CHUNK_MIN_TOKENS = 32
+_DELTA_PREP_THREADS = 256
+
+
+def delta_chunked(n: int, dk: int, dv: int) -> bool:
+    """Whether gated_delta_net_chunked takes n tokens of these heads on this GPU (else gated_delta_net does)."""
+    return (n >= DELTA_CHUNK_MIN_TOKENS and dk in N.DELTA_CHUNK_KEY_DIMS and dv % DELTA_COLUMNS == 0
+            and _capability() >= N.DELTA_CHUNK_OLDEST)
+
+
+def delta_chunk_scratch(n: int, n_v: int, dk: int, dv: int) -> tuple[tuple[int, ...], ...]:
+    """Shapes of gated_delta_net_chunked's scratch: u float32, wqk and p uint16 (fp16 bits), last float32."""
+    chunks = _blocks(n, DELTA_CHUNK) * n_v
+    return (chunks, DELTA_CHUNK, dv), (chunks, 3, DELTA_CHUNK, dk), (chunks, DELTA_CHUNK, DELTA_CHUNK), (chunks,)
+
+
+@functools.cache
+def _delta_chunk_kernels(dk: int) -> tuple[str, int, str, int]:
+    """The two kernels' names and dynamic shared memory (hybrid.cu DeltaPrepShared, DeltaStateShared), allowed."""
+    lt, ld, lp, lv = DELTA_CHUNK + 4, dk + 8, DELTA_CHUNK + 8, DELTA_COLUMNS + 8
+    prep_bytes = 4 * (2 * dk * lt + DELTA_CHUNK * (DELTA_CHUNK + 1) + 2 * DELTA_CHUNK)
+    state_bytes = 2 * (3 * DELTA_CHUNK * ld + DELTA_CHUNK * lp + DELTA_CHUNK * lv + dk * lv)
+    prep, state = N.delta_chunk("prep", dk), N.delta_chunk("state", dk)
+    kernel("hybrid", prep).max_dynamic_shared_size_bytes = prep_bytes
+    kernel("hybrid", state).max_dynamic_shared_size_bytes = state_bytes
+    return prep, prep_bytes, state, state_bytes
+
+
+def gated_delta_net_chunked(qkv: Any, ba: Any, dt_bias: Any, ssm_a: Any, state: Any, out: Any, n_k: int, tiled: bool,
+                            scratch: tuple[Any, ...]) -> None:
+    """gated_delta_net's result by chunks of DELTA_CHUNK tokens (delta_chunked says when); scratch: arrays of
+    delta_chunk_scratch's shapes. out's rows must be an even number of floats apart (float2 stores)."""
+    n = qkv.shape[0]
+    n_v, dk, dv = state.shape
+    u, wqk, p, last = scratch
+    prep, prep_bytes, state_kernel, state_bytes = _delta_chunk_kernels(dk)
+    launch("hybrid", prep, (_blocks(n, DELTA_CHUNK), n_v), (_DELTA_PREP_THREADS,),
+           (qkv, i64(qkv.strides[0] // 4), ba, i64(ba.strides[0] // 4), dt_bias, ssm_a, i32(n), i32(n_k), i32(n_v),
+            i32(dv), i32(1 if tiled else 0), u, wqk, p, last), shared_mem=prep_bytes)
+    launch("hybrid", state_kernel, (n_v, dv // DELTA_COLUMNS), (128,),
+           (u, wqk, p, last, state, out, i64(out.strides[0] // 4), i32(n), i32(n_v), i32(dv)), shared_mem=state_bytes)
+
+
 def sigmoid_gate(x: Any, gate: Any, out: Any, accumulate: bool) -> None:
     """out = x * sigmoid(gate) or out += that; x, out (n, m), gate (n, m) or (n, 1), each with its row stride."""
     n, m = x.shape

@@ -123,6 +123,307 @@ DELTA_RULE(32)
 DELTA_RULE(64)
 DELTA_RULE(128)
 
+// ---- the delta rule's chunked form, for prompts (sm_80+: tensor cores) ----
+// engine/kernels/reference.py delta_rule_chunked has the math. delta_chunk_prep, a block per (chunk of DC tokens,
+// value head), all chunks at once: normalised q and k, gamma (the running sum of g inside the chunk), the strictly
+// lower system A = beta_i (k_i . k_j) e^(gamma_i - gamma_j) and its forward substitution, in float32, then for the
+// second kernel: U (float32) and -W, Q e^gamma, K e^(gamma_last - gamma) and P = lower (q_i . k_j) e^(gamma_i -
+// gamma_j) in fp16, and e^gamma_last. delta_chunk_state, a block per (value head, DCOLS columns of its state; the
+// columns of S evolve apart), goes through the chunks in order with S in float32 accumulators:
+//   V' = U - W S;  O = (Q e^gamma) S + P V';  S = e^gamma_last S + (K e^(gamma_last - gamma))^T V'.
+// Tokens past n get beta = 0, g = 0 and zero q and k: they change nothing.
+constexpr int DC = 64;     // tokens a chunk
+constexpr int DCOLS = 32;  // state columns a block of delta_chunk_state
+constexpr int DELTA_PREP_THREADS = 256;
+
+// The prep kernel's float32 scratch in shared memory: k and q transposed ([DK][DC + 4], so a thread's four tokens
+// are one aligned float4), the system A ([DC][DC + 1]), beta and gamma.
+template <int DK>
+struct DeltaPrepShared {
+    static constexpr int LT = DC + 4;
+    static constexpr int BYTES = 4 * (2 * DK * LT + DC * (DC + 1) + 2 * DC);
+};
+
+template <int DK>
+__device__ __forceinline__ void delta_chunk_prep(const float* __restrict__ qkv, long ld_qkv,
+                                                 const float* __restrict__ ba, long ld_ba,
+                                                 const float* __restrict__ dt_bias, const float* __restrict__ ssm_a,
+                                                 int n, int n_k, int n_v, int dv, int tiled, float* __restrict__ u,
+                                                 u16* __restrict__ wqk, u16* __restrict__ p, float* __restrict__ last) {
+    constexpr int LT = DeltaPrepShared<DK>::LT, LA = DC + 1;
+    extern __shared__ float4 prep_smem[];
+    float* kt = reinterpret_cast<float*>(prep_smem);
+    float* qt = kt + DK * LT;
+    float* a = qt + DK * LT;
+    float* beta = a + DC * LA;
+    float* gamma = beta + DC;
+    const int c = blockIdx.x, h = blockIdx.y, tid = threadIdx.x, warp = tid / 32, lane = tid & 31;
+    const int t0 = c * DC, kh = tiled ? h % n_k : h / (n_v / n_k);
+    const long ch = (long)c * n_v + h;
+    for (int r = warp; r < DC; r += DELTA_PREP_THREADS / 32) {
+        const bool in = t0 + r < n;
+        const float* row = qkv + (long)(in ? t0 + r : 0) * ld_qkv;
+        float qv[DK / 32], kv[DK / 32], sq = 0.0f, sk = 0.0f;
+#pragma unroll
+        for (int i = 0; i < DK / 32; ++i) {
+            qv[i] = in ? row[kh * DK + 32 * i + lane] : 0.0f;
+            kv[i] = in ? row[(n_k + kh) * DK + 32 * i + lane] : 0.0f;
+            sq += qv[i] * qv[i];
+            sk += kv[i] * kv[i];
+        }
+        const float rq = rsqrtf(warp_sum(sq) + 1e-6f) * rsqrtf((float)DK), rk = rsqrtf(warp_sum(sk) + 1e-6f);
+#pragma unroll
+        for (int i = 0; i < DK / 32; ++i) {
+            qt[(32 * i + lane) * LT + r] = qv[i] * rq;
+            kt[(32 * i + lane) * LT + r] = kv[i] * rk;
+        }
+        if (lane == 0) {
+            float b = 0.0f, g = 0.0f;
+            if (in) {
+                const float x = ba[(long)(t0 + r) * ld_ba + n_v + h] + dt_bias[h];
+                b = 1.0f / (1.0f + expf(-ba[(long)(t0 + r) * ld_ba + h]));
+                g = ssm_a[h] * (x > 20.0f ? x : log1pf(expf(x)));
+            }
+            beta[r] = b;
+            gamma[r] = g;
+        }
+    }
+    __syncthreads();
+    if (warp == 0) {  // gamma: the running sum of g, two tokens a lane
+        const float g0 = gamma[2 * lane], g1 = gamma[2 * lane + 1];
+        float sum = g0 + g1;
+#pragma unroll
+        for (int o = 1; o < 32; o *= 2) {
+            const float y = __shfl_up_sync(0xFFFFFFFFu, sum, o);
+            if (lane >= o) sum += y;
+        }
+        gamma[2 * lane] = sum - g1;
+        gamma[2 * lane + 1] = sum;
+    }
+    __syncthreads();
+    {  // A and P: thread (ti, tj) a 4 x 4 tile of tokens (4 ti + x, 4 tj + y); tiles above the diagonal are zero
+        const int ti = tid / 16, tj = tid % 16;
+        float kk[4][4] = {}, qk[4][4] = {};
+        if (tj <= ti) {
+            for (int d = 0; d < DK; ++d) {
+                const float4 ki = *reinterpret_cast<const float4*>(kt + d * LT + 4 * ti);
+                const float4 qi = *reinterpret_cast<const float4*>(qt + d * LT + 4 * ti);
+                const float4 kj = *reinterpret_cast<const float4*>(kt + d * LT + 4 * tj);
+                const float kis[4] = {ki.x, ki.y, ki.z, ki.w}, qis[4] = {qi.x, qi.y, qi.z, qi.w};
+                const float kjs[4] = {kj.x, kj.y, kj.z, kj.w};
+#pragma unroll
+                for (int x = 0; x < 4; ++x)
+#pragma unroll
+                    for (int y = 0; y < 4; ++y) {
+                        kk[x][y] += kis[x] * kjs[y];
+                        qk[x][y] += qis[x] * kjs[y];
+                    }
+            }
+        }
+#pragma unroll
+        for (int x = 0; x < 4; ++x) {
+            const int i = 4 * ti + x;
+            u32 row[2];
+#pragma unroll
+            for (int y = 0; y < 4; ++y) {
+                const int j = 4 * tj + y;
+                const float decay = j <= i ? expf(gamma[i] - gamma[j]) : 0.0f;
+                a[i * LA + j] = j < i ? beta[i] * kk[x][y] * decay : 0.0f;
+                qk[x][y] *= decay;
+            }
+            row[0] = half2_bits(qk[x][0], qk[x][1]);
+            row[1] = half2_bits(qk[x][2], qk[x][3]);
+            *reinterpret_cast<uint2*>(p + (ch * DC + i) * DC + 4 * tj) = make_uint2(row[0], row[1]);
+        }
+    }
+    __syncthreads();
+    // [U W] = (I + A)^-1 [beta V, beta K e^gamma] by forward substitution, a column a thread.
+    for (int col = tid; col < dv + DK; col += DELTA_PREP_THREADS) {
+        const bool value = col < dv;
+        const float* vcol = qkv + 2L * n_k * DK + (long)h * dv + col;
+        float x[DC];
+#pragma unroll
+        for (int i = 0; i < DC; ++i) {
+            float r;
+            if (value)
+                r = t0 + i < n ? beta[i] * vcol[(long)(t0 + i) * ld_qkv] : 0.0f;
+            else
+                r = beta[i] * kt[(col - dv) * LT + i] * expf(gamma[i]);
+#pragma unroll
+            for (int j = 0; j < i; ++j) r -= a[i * LA + j] * x[j];
+            x[i] = r;
+        }
+        if (value) {
+#pragma unroll
+            for (int i = 0; i < DC; ++i) u[(ch * DC + i) * dv + col] = x[i];
+        } else {
+#pragma unroll
+            for (int i = 0; i < DC; ++i) wqk[(ch * 3 * DC + i) * DK + col - dv] = f2h(-x[i]);
+        }
+    }
+    for (int e = tid; e < DC * DK; e += DELTA_PREP_THREADS) {
+        const int i = e / DK, d = e % DK;
+        wqk[(ch * 3 + 1) * DC * DK + e] = f2h(qt[d * LT + i] * expf(gamma[i]));
+        wqk[(ch * 3 + 2) * DC * DK + e] = f2h(kt[d * LT + i] * expf(gamma[DC - 1] - gamma[i]));
+    }
+    if (tid == 0) last[ch] = expf(gamma[DC - 1]);
+}
+
+// delta_chunk_state's shared memory (fp16): -W, Q e^gamma and K e^(gamma_last - gamma) ([DC][DK + 8] each), P
+// ([DC][DC + 8]), V' ([DC][DCOLS + 8]) and S ([DK][DCOLS + 8]); the padding puts ldmatrix's eight rows in distinct
+// banks.
+template <int DK>
+struct DeltaStateShared {
+    static constexpr int LD = DK + 8, LP = DC + 8, LV = DCOLS + 8;
+    static constexpr int BYTES = 2 * (3 * DC * LD + DC * LP + DC * LV + DK * LV);
+};
+
+// Four warps: warp w computes tokens 16 w .. 16 w + 15 of V' and O, and rows 16 (MT w + m) + 0..15 of S.
+template <int DK>
+__device__ __forceinline__ void delta_chunk_state(const float* __restrict__ u, const u16* __restrict__ wqk,
+                                                  const u16* __restrict__ p, const float* __restrict__ last,
+                                                  float* __restrict__ state, float* __restrict__ out, long ld_out,
+                                                  int n, int n_v, int dv) {
+    using L = DeltaStateShared<DK>;
+    constexpr int LD = L::LD, LP = L::LP, LV = L::LV, MT = DK / 64, NB = DCOLS / 8;
+    extern __shared__ float4 state_smem[];
+    u16* ws = reinterpret_cast<u16*>(state_smem);
+    u16* ps = ws + 3 * DC * LD;
+    u16* vs = ps + DC * LP;
+    u16* ss = vs + DC * LV;
+    const u16* qs = ws + DC * LD;
+    const u16* ks = qs + DC * LD;
+    const int h = blockIdx.x, col0 = blockIdx.y * DCOLS, tid = threadIdx.x;
+    const int warp = tid / 32, lane = tid & 31, g = lane / 4, t = lane % 4, r0 = 16 * warp;
+    float* st = state + (long)h * DK * dv + col0;
+    float s[MT][NB][4];
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                s[m][nb][e] = st[(long)(16 * (MT * warp + m) + g + 8 * (e / 2)) * dv + 8 * nb + 2 * t + (e & 1)];
+    for (int c = 0; c * DC < n; ++c) {
+        const long ch = (long)c * n_v + h;
+        for (int e = tid; e < 3 * DC * DK / 8; e += 128)
+            copy16(ws + (e / (DK / 8)) * LD + 8 * (e % (DK / 8)), wqk + ch * 3 * DC * DK + 8L * e, true);
+        for (int e = tid; e < DC * DC / 8; e += 128)
+            copy16(ps + (e / (DC / 8)) * LP + 8 * (e % (DC / 8)), p + ch * DC * DC + 8L * e, true);
+        copies_commit();
+#pragma unroll
+        for (int m = 0; m < MT; ++m)
+#pragma unroll
+            for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh)
+                    *reinterpret_cast<u32*>(ss + (16 * (MT * warp + m) + g + 8 * hh) * LV + 8 * nb + 2 * t) =
+                        half2_bits(s[m][nb][2 * hh], s[m][nb][2 * hh + 1]);
+        float v[NB][4], o[NB][4];
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+                const float2 x = *reinterpret_cast<const float2*>(u + (ch * DC + r0 + g + 8 * hh) * dv + col0 +
+                                                                  8 * nb + 2 * t);
+                v[nb][2 * hh] = x.x;
+                v[nb][2 * hh + 1] = x.y;
+                o[nb][2 * hh] = o[nb][2 * hh + 1] = 0.0f;
+            }
+        copies_wait<0>();
+        __syncthreads();
+#pragma unroll
+        for (int kk = 0; kk < DK / 16; ++kk) {  // V' = U + (-W) S and O = (Q e^gamma) S
+            u32 aw[4], aq[4];
+            ldsm_a(aw, ws, LD, r0, kk);
+            ldsm_a(aq, qs, LD, r0, kk);
+#pragma unroll
+            for (int nb = 0; nb < NB; nb += 2) {
+                u32 b[4];
+                ldsm_b_pair(b, ss, LV, kk, nb);
+                mma_f16(v[nb], aw, b[0], b[1]);
+                mma_f16(v[nb + 1], aw, b[2], b[3]);
+                mma_f16(o[nb], aq, b[0], b[1]);
+                mma_f16(o[nb + 1], aq, b[2], b[3]);
+            }
+        }
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh)
+                *reinterpret_cast<u32*>(vs + (r0 + g + 8 * hh) * LV + 8 * nb + 2 * t) =
+                    half2_bits(v[nb][2 * hh], v[nb][2 * hh + 1]);
+        __syncthreads();
+#pragma unroll
+        for (int kk = 0; kk < DC / 16; ++kk) {  // O += P V'
+            u32 ap[4];
+            ldsm_a(ap, ps, LP, r0, kk);
+#pragma unroll
+            for (int nb = 0; nb < NB; nb += 2) {
+                u32 b[4];
+                ldsm_b_pair(b, vs, LV, kk, nb);
+                mma_f16(o[nb], ap, b[0], b[1]);
+                mma_f16(o[nb + 1], ap, b[2], b[3]);
+            }
+        }
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const int token = c * DC + r0 + g + 8 * hh;
+            if (token < n) {
+#pragma unroll
+                for (int nb = 0; nb < NB; ++nb)
+                    *reinterpret_cast<float2*>(out + token * ld_out + (long)h * dv + col0 + 8 * nb + 2 * t) =
+                        make_float2(o[nb][2 * hh], o[nb][2 * hh + 1]);
+            }
+        }
+        const float decay = last[ch];
+#pragma unroll
+        for (int m = 0; m < MT; ++m) {  // S = e^gamma_last S + (K e^(gamma_last - gamma))^T V'
+#pragma unroll
+            for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[m][nb][e] *= decay;
+#pragma unroll
+            for (int kk = 0; kk < DC / 16; ++kk) {
+                u32 ak[4];  // the A fragment of K^T: ldmatrix transposes the token-major rows
+                ldsm_x4_trans(ak, ks + (16 * kk + (lane >> 4) * 8 + (lane & 7)) * LD + 16 * (MT * warp + m) +
+                                      ((lane >> 3) & 1) * 8);
+#pragma unroll
+                for (int nb = 0; nb < NB; nb += 2) {
+                    u32 b[4];
+                    ldsm_b_pair(b, vs, LV, kk, nb);
+                    mma_f16(s[m][nb], ak, b[0], b[1]);
+                    mma_f16(s[m][nb + 1], ak, b[2], b[3]);
+                }
+            }
+        }
+        __syncthreads();  // every warp is done with this chunk's shared memory
+    }
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                st[(long)(16 * (MT * warp + m) + g + 8 * (e / 2)) * dv + 8 * nb + 2 * t + (e & 1)] = s[m][nb][e];
+}
+
+#define DELTA_CHUNKED(DK)                                                                                           \
+    extern "C" __global__ void __launch_bounds__(DELTA_PREP_THREADS) delta_chunk_prep_##DK(                         \
+        const float* qkv, long ld_qkv, const float* ba, long ld_ba, const float* dt_bias, const float* ssm_a, int n, \
+        int n_k, int n_v, int dv, int tiled, float* u, u16* wqk, u16* p, float* last) {                             \
+        grid_dependency_sync();                                                                                     \
+        delta_chunk_prep<DK>(qkv, ld_qkv, ba, ld_ba, dt_bias, ssm_a, n, n_k, n_v, dv, tiled, u, wqk, p, last);      \
+    }                                                                                                               \
+    extern "C" __global__ void __launch_bounds__(128) delta_chunk_state_##DK(                                       \
+        const float* u, const u16* wqk, const u16* p, const float* last, float* state, float* out, long ld_out,     \
+        int n, int n_v, int dv) {                                                                                   \
+        grid_dependency_sync();                                                                                     \
+        delta_chunk_state<DK>(u, wqk, p, last, state, out, ld_out, n, n_v, dv);                                     \
+    }
+DELTA_CHUNKED(64)
+DELTA_CHUNKED(128)
+
 // out = x * sigmoid(gate) (or out += that): x, out (n, m) and gate (n, m) or (n, 1), each with its row stride.
 extern "C" __global__ void sigmoid_gate(const float* x, long ldx, const float* __restrict__ gate, long ldg,
                                         int gate_cols, float* out, long ldo, int n, int m, int accumulate) {

@@ -51,6 +51,9 @@ DEEP_TILES = {64: (64, 2), 128: (32, 2), 256: (16, 2)}
 DEEP_SWEEP = {128: ((16, 2), (16, 3), (16, 4), (32, 3))}
 # The gated delta rule (hybrid.cu) is built per key head size, which sets the registers its state takes.
 DELTA_KEY_DIMS = (16, 32, 64, 128)
+# Its chunked prompt form (delta_chunk_prep, delta_chunk_state; tensor cores, sm_80+) per key head size.
+DELTA_CHUNK_KEY_DIMS = (64, 128)
+DELTA_CHUNK_OLDEST = 80
 # The attention kernels and rope_store_kv are built for each form of the KV cache (engine.backend.KV_CACHE_TYPES):
 # the name's suffix.
 KV_SUFFIX = {"full": "", "q8_0": "_q8"}
@@ -98,6 +101,13 @@ def delta_rule(key_dim: int) -> str:
     if key_dim not in DELTA_KEY_DIMS:
         raise ValueError(f"the gated delta rule has no kernel for key heads of {key_dim}")
     return f"gated_delta_net_{key_dim}"
+
+
+def delta_chunk(kind: str, key_dim: int) -> str:
+    """kind: prep or state."""
+    if kind not in ("prep", "state") or key_dim not in DELTA_CHUNK_KEY_DIMS:
+        raise ValueError(f"the chunked delta rule has no {kind} kernel for key heads of {key_dim}")
+    return f"delta_chunk_{kind}_{key_dim}"
 
 
 def _kv(kv: str) -> str:
@@ -153,6 +163,8 @@ def built(capability: int, sweep: bool = False) -> dict[str, set[str]]:
     add("matmul", {grouped(kind, suffix) for kind in GROUPED_KINDS for suffix in _GROUPED_SUFFIXES})
     add("dequant", {dequant(t, half) for t in ALL_TYPES for half in (False, True)})
     add("hybrid", {delta_rule(dk) for dk in DELTA_KEY_DIMS})
+    if capability >= DELTA_CHUNK_OLDEST:
+        add("hybrid", {delta_chunk(kind, dk) for kind in ("prep", "state") for dk in DELTA_CHUNK_KEY_DIMS})
     add("rope", {rope_store(kv) for kv in KV_SUFFIX})
     for kind, (module, oldest) in PER_HEAD_DIM.items():
         if capability >= oldest:

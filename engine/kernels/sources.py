@@ -10,7 +10,7 @@ from pathlib import Path
 DIR = Path(__file__).parent
 HEADER = "quant_blocks.cuh"
 TENSOR_CORE_HEADER = "tensor_cores.cuh"
-TENSOR_CORE_MODULES = ("attention", "flash_attention", "matmul")
+TENSOR_CORE_MODULES = ("attention", "flash_attention", "hybrid", "matmul")
 STREAM_ROWS = 2  # rows an iteration of the streamed decode products (matvec.cu matvec_stream)
 OPTIONS = ("-std=c++17", f"-DSTREAM_ROWS={STREAM_ROWS}")
 

@@ -11,6 +11,20 @@ __device__ __forceinline__ void ldsm_x4_trans(u32 (&r)[4], const u16* p) {
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"((u32)__cvta_generic_to_shared(p)));
 }
 
+// The A fragment of rows r0 .. r0 + 15, columns 16 kk .. 16 kk + 15 of a row-major fp16 matrix in shared memory
+// (rows ld halves apart).
+__device__ __forceinline__ void ldsm_a(u32 (&a)[4], const u16* base, int ld, int r0, int kk) {
+    const int lane = threadIdx.x & 31;
+    ldsm_x4(a, base + (r0 + (lane & 15)) * ld + 16 * kk + (lane >> 4) * 8);
+}
+
+// The B fragments of rows 16 kk .. 16 kk + 15 of a k-major fp16 matrix in shared memory (rows ld halves apart):
+// b[0], b[1] for columns 8 nb .. 8 nb + 7, b[2], b[3] for the next 8.
+__device__ __forceinline__ void ldsm_b_pair(u32 (&b)[4], const u16* base, int ld, int kk, int nb) {
+    const int lane = threadIdx.x & 31;
+    ldsm_x4_trans(b, base + (16 * kk + (lane & 7) + ((lane >> 3) & 1) * 8) * ld + 8 * nb + (lane >> 4) * 8);
+}
+
 // c += a (16 x 16, row) . b (16 x 8, col), fp16 inputs, fp32 accumulation.
 __device__ __forceinline__ void mma_f16(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
 #if __CUDA_ARCH__ >= 800
@@ -126,13 +140,12 @@ __device__ __forceinline__ void tile_softmax(const float (&s)[KT / 8][4], float 
 // o += P.V; o[db][2 h + e] is row g + 8 h, dim 8 db + 2 t + e.
 template <int D, int KT>
 __device__ __forceinline__ void tile_values(const u32 (&pa)[KT / 16][4], const u16* vs, int ld, float (&o)[D / 8][4]) {
-    const int lane = threadIdx.x & 31;
 #pragma unroll
     for (int kk = 0; kk < KT / 16; ++kk)
 #pragma unroll
         for (int db = 0; db < D / 8; db += 2) {
             u32 b[4];
-            ldsm_x4_trans(b, vs + (16 * kk + (lane & 7) + ((lane >> 3) & 1) * 8) * ld + 8 * db + (lane >> 4) * 8);
+            ldsm_b_pair(b, vs, ld, kk, db);
             mma_f16(o[db], pa[kk], b[0], b[1]);
             mma_f16(o[db + 1], pa[kk], b[2], b[3]);
         }
