@@ -1,7 +1,7 @@
 # One device call: install the carried wheels, run the GPU tests, then the speed benchmarks.
-# Usage (on the GPU machine, repo root): bash bench/device_run.sh [tests] [kernels] [shapes] [prompt] [synthetic] [profile] [smol]
+# Usage (on the GPU machine, repo root): bash bench/device_run.sh [tests] [kernels] [shapes] [prompt] [synthetic] [smol]
 #                                        [archs] [memory] [issue5] [flash] [ram] [cache] [moe] [hybrid] [hybridbench] [kvq8]
-#                                        [ring] [moeab]
+#                                        [ring] [moeab] [peer] [s11]
 # The GPU machine has no network: .whl/ holds the wheels it lacks (gguf; pydantic and its dependencies, which
 # tests/conftest.py's catalog lookup imports; `pip download` them for Python 3.12), and the SmolLM2 GGUF
 # (98 MB, over one call's 64 MB) travels in two parts, .carry/smol.part00 (copied to /tmp/strata by a first call) and
@@ -22,11 +22,34 @@
 # attention tests, then the kvq8 step's model runs at RING_PROMPTS="512 32768". moeab: the mixture and prompt-product
 # tests, then the moe step's kernels (gpu_kernels.py moe prompt) and model runs (MOE_PROMPTS) for the code in
 # .carry/old (an earlier tree's engine/ and bench/, `git archive <commit> engine bench`) and for this one, in one call.
+# peer (not yet run on a device): builds llama.cpp's llama-bench from .carry/llama.cpp.tar.xz
+# (shared/reference/peer-llamacpp.md says how the tarball is cut) and writes PEER_SHAPES="qwen3-8b qwen3-30b-a3b
+# qwen3.6-35b-a3b" (Q4_K_M mix, SmolLM2's tokenizer, so llama.cpp loads them), then bench/peer_llamacpp.py for
+# PEER_RUNS="shape:prompt:output[:layers of experts in RAM] ..." (on a warm machine whose /tmp still holds the build
+# and the files, it reuses them), then bench_gpu.py for AB_RUNS="shape:prompt ..." with .carry/old's code and this
+# tree's. s11: session 11's checks in one call (below; run in session 12).
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 STRATA_TEST_CACHE=/tmp/strata
 OUT=${OUT:-/tmp/out}; mkdir -p /tmp/strata "$OUT"
+LLAMA_BENCH=/tmp/llama.cpp/build/bin/llama-bench
+# Unpack and build llama-bench in the background (`wait` joins it).
+llama_build() {
+  [ -x $LLAMA_BENCH ] && return
+  tar xJf .carry/llama.cpp.tar.xz -C /tmp || return 1
+  gen=Ninja; command -v ninja >/dev/null || gen="Unix Makefiles"
+  (cd /tmp/llama.cpp && cmake -S . -B build -G "$gen" -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DCMAKE_BUILD_TYPE=Release \
+    && cmake --build build --target llama-bench -j 16) > "$OUT/llama_build.log" 2>&1 &
+}
+peer_files() {
+  for shape in ${PEER_SHAPES:-qwen3-8b qwen3-30b-a3b qwen3.6-35b-a3b}; do
+    f=/tmp/strata/peer-$shape.gguf
+    [ -f "$f" ] || python3 bench/make_synthetic_gguf.py "$f" --shape $shape --type Q4_K_M --tokenizer .carry/smollm2-tokenizer.gguf
+  done
+}
 for part in "$@"; do
+  echo "== $part $(date +%T)"
   case $part in
     tests) python3 -m pytest -q -p no:cacheprovider --tb=short -rf tests/test_gpu_layout.py tests/test_gpu_kernels.py tests/test_gpu_backend.py 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
     kernels) python3 bench/gpu_kernels.py matvec 2>&1 | tee "$OUT/kernels.jsonl" ;;
@@ -38,11 +61,6 @@ for part in "$@"; do
         python3 bench/make_synthetic_gguf.py "$f" --shape "${spec%:*}" --type "${spec#*:}" && python3 bench/bench_gpu.py "$f" 2>&1 | tee -a "$OUT/bench.jsonl"
         rm -f "$f"
       done ;;
-    profile)
-      f=/tmp/strata/synthetic-1.2b-Q4_0.gguf
-      python3 bench/make_synthetic_gguf.py "$f" --shape 1.2b --type Q4_0
-      python3 bench/bench_gpu.py "$f" 2>&1 | tee -a "$OUT/bench.jsonl"
-      rm -f "$f" ;;
     smol)
       [ -f /tmp/strata/SmolLM2-135M-Instruct.Q4_1.gguf ] || cat /tmp/strata/smol.part00 .carry/smol.part01 > /tmp/strata/SmolLM2-135M-Instruct.Q4_1.gguf
       sha256sum /tmp/strata/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -158,6 +176,46 @@ for part in "$@"; do
         for tree in . .carry/old; do
           echo "{\"tree\": \"$tree\"}" >> "$OUT/moeab_bench.jsonl"
           (cd $tree && timeout 150 python3 bench/bench_gpu.py "$f" --prompt $p --output 64 --repeats 2) 2>&1 | tee -a "$OUT/moeab_bench.jsonl"
+        done
+      done ;;
+    s11)
+      # Session 11's checks in one call: the 35B hybrid file written in the background, the chunked delta rule's and
+      # the ring's tests, the delta rule's kernels, then decode (Qwen3-8B, 512) and prompt (the 35B hybrid, 4,096)
+      # for this tree and .carry/old.
+      f8=/tmp/strata/synthetic-qwen3-8b.gguf f35=/tmp/strata/synthetic-qwen3.6-35b-a3b.gguf
+      (python3 bench/make_synthetic_gguf.py $f35 --shape qwen3.6-35b-a3b --type Q4_K_M > "$OUT/make35.log" 2>&1; touch $f35.done) &
+      cp .carry/smollm2-tokenizer.gguf .carry/hybrid/*.gguf /tmp/strata/
+      timeout 200 python3 -m pytest -q -s -p no:cacheprovider --tb=short -rf tests/test_gpu_hybrid.py 2>&1 | tee "$OUT/hybrid_tests.log" | grep -E "delta rule|relative error|logit range|passed|failed|Error"
+      date +%T
+      timeout 200 python3 -m pytest -q -s -p no:cacheprovider --tb=short -rf tests/test_gpu_kv_cache.py tests/test_gpu_arch.py \
+        tests/test_gpu_kernels.py -k "ring or attention" 2>&1 | tee "$OUT/ring_tests.log" | grep -E "logit|passed|failed|Error"
+      date +%T
+      timeout 60 python3 bench/gpu_kernels.py delta 2>&1 | tee "$OUT/delta_kernels.jsonl"
+      python3 bench/make_synthetic_gguf.py $f8 --shape qwen3-8b --type Q4_K_M
+      for tree in . .carry/old; do
+        echo "{\"tree\": \"$tree\"}" >> "$OUT/ab8b.jsonl"
+        (cd $tree && timeout 100 python3 bench/bench_gpu.py $f8 --prompt 512 --output 64 --repeats 2) 2>&1 | tee -a "$OUT/ab8b.jsonl"
+      done
+      rm -f $f8
+      while [ ! -f $f35.done ]; do sleep 2; done; date +%T
+      for tree in . .carry/old; do
+        echo "{\"tree\": \"$tree\"}" >> "$OUT/ab35b.jsonl"
+        (cd $tree && timeout 120 python3 bench/bench_gpu.py $f35 --prompt 4096 --output 32 --repeats 2) 2>&1 | tee -a "$OUT/ab35b.jsonl"
+      done ;;
+    peer)
+      llama_build
+      peer_files
+      wait
+      for run in ${PEER_RUNS:-qwen3-8b:512:128}; do
+        IFS=: read -r shape p n ram <<< "$run"
+        timeout 400 python3 bench/peer_llamacpp.py /tmp/strata/peer-$shape.gguf --llama-bench $LLAMA_BENCH --prompt $p \
+          --output $n --repeats ${PEER_REPEATS:-2} --experts-in-ram ${ram:-0} 2>&1 | tee -a "$OUT/peer.jsonl"
+      done
+      for run in ${AB_RUNS}; do
+        IFS=: read -r shape p <<< "$run"
+        for tree in .carry/old .; do
+          echo "{\"tree\": \"$tree\"}" >> "$OUT/peer_ab.jsonl"
+          (cd $tree && timeout 200 python3 bench/bench_gpu.py /tmp/strata/peer-$shape.gguf --prompt $p --output 64 --repeats 2) 2>&1 | tee -a "$OUT/peer_ab.jsonl"
         done
       done ;;
   esac
