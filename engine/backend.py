@@ -367,7 +367,8 @@ class Backend(Protocol):
         them so), else h // (H / n_k_heads) (qwen3next files). ba: (n, 2 H) float32, b (beta logits) then a (decay
         logits); dt_bias, ssm_a: (H,); state: (H, dk, dv) float32, zeros at a sequence's start, updated in place;
         out: (n, H dv) float32, head-major. Accumulation in float32; a backend may run one token at a time or whole
-        chunks (engine/kernels/reference.py has both forms), the results agree to float32 rounding.
+        chunks (engine/kernels/reference.py has both forms, which agree to float32 rounding; the GPU's chunked form
+        takes fp16 operands in its products, about 3e-4 relative).
         """
 
     def gated_rms_norm(self, x: Array, gate: Array, weight: WeightHandle, eps: float, out: Array) -> None:
