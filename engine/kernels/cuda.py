@@ -803,7 +803,8 @@ def delta_chunk_scratch(n: int, n_v: int, dk: int, dv: int) -> tuple[tuple[int, 
 
 @functools.cache
 def _delta_chunk_kernels(dk: int) -> tuple[str, int, str, int]:
-    """The two kernels' names and dynamic shared memory (hybrid.cu DeltaPrepShared, DeltaStateShared), allowed."""
+    """The two kernels' names and dynamic shared memory (the layouts hybrid.cu describes above delta_chunk_prep and
+    delta_chunk_state), allowed."""
     lt, ld, lp, lv = DELTA_CHUNK + 4, dk + 8, DELTA_CHUNK + 8, DELTA_COLUMNS + 8
     prep_bytes = 4 * (2 * dk * lt + DELTA_CHUNK * (DELTA_CHUNK + 1) + 2 * DELTA_CHUNK)
     state_bytes = 2 * (3 * DELTA_CHUNK * ld + DELTA_CHUNK * lp + DELTA_CHUNK * lv + dk * lv)

@@ -35,6 +35,13 @@ extern "C" __global__ void causal_conv_silu_4(const float* x, long ldx, const fl
     conv_silu<4>(x, ldx, w, state, out, ldo, n, channels);
 }
 
+// A token's gates from its b and a logits: (beta = sigmoid(b), g = ssm_a softplus(a + dt_bias)), g the log of its
+// decay (ssm_a is negative).
+__device__ __forceinline__ float2 delta_gates(float b, float a, float dt_bias, float ssm_a) {
+    const float x = a + dt_bias;
+    return make_float2(1.0f / (1.0f + expf(-b)), ssm_a * (x > 20.0f ? x : log1pf(expf(x))));
+}
+
 // The gated delta rule, one block per value head h, token after token: thread v owns column v of the head's
 // state S (DK x dv, in registers all chunk long), so S^T k and S^T q are sums inside the thread. Per token the
 // block stages the head's query and key (and their sums of squares) in shared memory, double-buffered so that one
@@ -79,9 +86,8 @@ __device__ __forceinline__ void delta_rule(const float* __restrict__ qkv, long l
             }
         }
         const float vt = owner ? vh[t * ld_qkv] : 0.0f;
-        const float beta = 1.0f / (1.0f + expf(-ba[t * ld_ba + h]));
-        const float x = ba[t * ld_ba + n_v + h] + bias;
-        const float decay = expf(a_scale * (x > 20.0f ? x : log1pf(expf(x))));
+        const float2 gates = delta_gates(ba[t * ld_ba + h], ba[t * ld_ba + n_v + h], bias, a_scale);
+        const float beta = gates.x, decay = expf(gates.y);
         __syncthreads();
         float nq = 0.0f, nk = 0.0f;
 #pragma unroll
@@ -136,21 +142,15 @@ constexpr int DC = 64;     // tokens a chunk
 constexpr int DCOLS = 32;  // state columns a block of delta_chunk_state
 constexpr int DELTA_PREP_THREADS = 256;
 
-// The prep kernel's float32 scratch in shared memory: k and q transposed ([DK][DC + 4], so a thread's four tokens
-// are one aligned float4), the system A ([DC][DC + 1]), beta and gamma.
-template <int DK>
-struct DeltaPrepShared {
-    static constexpr int LT = DC + 4;
-    static constexpr int BYTES = 4 * (2 * DK * LT + DC * (DC + 1) + 2 * DC);
-};
-
+// delta_chunk_prep's float32 scratch in shared memory (cuda.py sizes it): k and q transposed ([DK][DC + 4], so a
+// thread's four tokens are one aligned float4), the system A ([DC][DC + 1]), beta and gamma.
 template <int DK>
 __device__ __forceinline__ void delta_chunk_prep(const float* __restrict__ qkv, long ld_qkv,
                                                  const float* __restrict__ ba, long ld_ba,
                                                  const float* __restrict__ dt_bias, const float* __restrict__ ssm_a,
                                                  int n, int n_k, int n_v, int dv, int tiled, float* __restrict__ u,
                                                  u16* __restrict__ wqk, u16* __restrict__ p, float* __restrict__ last) {
-    constexpr int LT = DeltaPrepShared<DK>::LT, LA = DC + 1;
+    constexpr int LT = DC + 4, LA = DC + 1;
     extern __shared__ float4 prep_smem[];
     float* kt = reinterpret_cast<float*>(prep_smem);
     float* qt = kt + DK * LT;
@@ -180,9 +180,10 @@ __device__ __forceinline__ void delta_chunk_prep(const float* __restrict__ qkv, 
         if (lane == 0) {
             float b = 0.0f, g = 0.0f;
             if (in) {
-                const float x = ba[(long)(t0 + r) * ld_ba + n_v + h] + dt_bias[h];
-                b = 1.0f / (1.0f + expf(-ba[(long)(t0 + r) * ld_ba + h]));
-                g = ssm_a[h] * (x > 20.0f ? x : log1pf(expf(x)));
+                const float2 gates = delta_gates(ba[(long)(t0 + r) * ld_ba + h], ba[(long)(t0 + r) * ld_ba + n_v + h],
+                                                 dt_bias[h], ssm_a[h]);
+                b = gates.x;
+                g = gates.y;
             }
             beta[r] = b;
             gamma[r] = g;
@@ -269,23 +270,16 @@ __device__ __forceinline__ void delta_chunk_prep(const float* __restrict__ qkv, 
     if (tid == 0) last[ch] = expf(gamma[DC - 1]);
 }
 
-// delta_chunk_state's shared memory (fp16): -W, Q e^gamma and K e^(gamma_last - gamma) ([DC][DK + 8] each), P
-// ([DC][DC + 8]), V' ([DC][DCOLS + 8]) and S ([DK][DCOLS + 8]); the padding puts ldmatrix's eight rows in distinct
-// banks.
-template <int DK>
-struct DeltaStateShared {
-    static constexpr int LD = DK + 8, LP = DC + 8, LV = DCOLS + 8;
-    static constexpr int BYTES = 2 * (3 * DC * LD + DC * LP + DC * LV + DK * LV);
-};
-
+// delta_chunk_state's shared memory (fp16; cuda.py sizes it): -W, Q e^gamma and K e^(gamma_last - gamma)
+// ([DC][DK + 8] each), P ([DC][DC + 8]), V' ([DC][DCOLS + 8]) and S ([DK][DCOLS + 8]); the padding puts ldmatrix's
+// eight rows in distinct banks.
 // Four warps: warp w computes tokens 16 w .. 16 w + 15 of V' and O, and rows 16 (MT w + m) + 0..15 of S.
 template <int DK>
 __device__ __forceinline__ void delta_chunk_state(const float* __restrict__ u, const u16* __restrict__ wqk,
                                                   const u16* __restrict__ p, const float* __restrict__ last,
                                                   float* __restrict__ state, float* __restrict__ out, long ld_out,
                                                   int n, int n_v, int dv) {
-    using L = DeltaStateShared<DK>;
-    constexpr int LD = L::LD, LP = L::LP, LV = L::LV, MT = DK / 64, NB = DCOLS / 8;
+    constexpr int LD = DK + 8, LP = DC + 8, LV = DCOLS + 8, MT = DK / 64, NB = DCOLS / 8;
     extern __shared__ float4 state_smem[];
     u16* ws = reinterpret_cast<u16*>(state_smem);
     u16* ps = ws + 3 * DC * LD;
@@ -296,6 +290,8 @@ __device__ __forceinline__ void delta_chunk_state(const float* __restrict__ u, c
     const int h = blockIdx.x, col0 = blockIdx.y * DCOLS, tid = threadIdx.x;
     const int warp = tid / 32, lane = tid & 31, g = lane / 4, t = lane % 4, r0 = 16 * warp;
     float* st = state + (long)h * DK * dv + col0;
+    // This thread's rows of S in its accumulator fragments: m of this warp's MT row tiles, hh the upper or lower 8.
+    const auto srow = [&](int m, int hh) { return 16 * (MT * warp + m) + g + 8 * hh; };
     float s[MT][NB][4];
 #pragma unroll
     for (int m = 0; m < MT; ++m)
@@ -303,7 +299,7 @@ __device__ __forceinline__ void delta_chunk_state(const float* __restrict__ u, c
         for (int nb = 0; nb < NB; ++nb)
 #pragma unroll
             for (int e = 0; e < 4; ++e)
-                s[m][nb][e] = st[(long)(16 * (MT * warp + m) + g + 8 * (e / 2)) * dv + 8 * nb + 2 * t + (e & 1)];
+                s[m][nb][e] = st[(long)srow(m, e / 2) * dv + 8 * nb + 2 * t + (e & 1)];
     for (int c = 0; c * DC < n; ++c) {
         const long ch = (long)c * n_v + h;
         for (int e = tid; e < 3 * DC * DK / 8; e += 128)
@@ -317,7 +313,7 @@ __device__ __forceinline__ void delta_chunk_state(const float* __restrict__ u, c
             for (int nb = 0; nb < NB; ++nb)
 #pragma unroll
                 for (int hh = 0; hh < 2; ++hh)
-                    *reinterpret_cast<u32*>(ss + (16 * (MT * warp + m) + g + 8 * hh) * LV + 8 * nb + 2 * t) =
+                    *reinterpret_cast<u32*>(ss + srow(m, hh) * LV + 8 * nb + 2 * t) =
                         half2_bits(s[m][nb][2 * hh], s[m][nb][2 * hh + 1]);
         float v[NB][4], o[NB][4];
 #pragma unroll
@@ -333,7 +329,7 @@ __device__ __forceinline__ void delta_chunk_state(const float* __restrict__ u, c
         copies_wait<0>();
         __syncthreads();
 #pragma unroll
-        for (int kk = 0; kk < DK / 16; ++kk) {  // V' = U + (-W) S and O = (Q e^gamma) S
+        for (int kk = 0; kk < DK / 16; ++kk) {  // V' = U + (-W) S and O = (Q e^gamma) S, each B fragment of S read once
             u32 aw[4], aq[4];
             ldsm_a(aw, ws, LD, r0, kk);
             ldsm_a(aq, qs, LD, r0, kk);
@@ -358,13 +354,7 @@ __device__ __forceinline__ void delta_chunk_state(const float* __restrict__ u, c
         for (int kk = 0; kk < DC / 16; ++kk) {  // O += P V'
             u32 ap[4];
             ldsm_a(ap, ps, LP, r0, kk);
-#pragma unroll
-            for (int nb = 0; nb < NB; nb += 2) {
-                u32 b[4];
-                ldsm_b_pair(b, vs, LV, kk, nb);
-                mma_f16(o[nb], ap, b[0], b[1]);
-                mma_f16(o[nb + 1], ap, b[2], b[3]);
-            }
+            mma_b_row(o, ap, vs, LV, kk);
         }
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
@@ -388,13 +378,7 @@ __device__ __forceinline__ void delta_chunk_state(const float* __restrict__ u, c
                 u32 ak[4];  // the A fragment of K^T: ldmatrix transposes the token-major rows
                 ldsm_x4_trans(ak, ks + (16 * kk + (lane >> 4) * 8 + (lane & 7)) * LD + 16 * (MT * warp + m) +
                                       ((lane >> 3) & 1) * 8);
-#pragma unroll
-                for (int nb = 0; nb < NB; nb += 2) {
-                    u32 b[4];
-                    ldsm_b_pair(b, vs, LV, kk, nb);
-                    mma_f16(s[m][nb], ak, b[0], b[1]);
-                    mma_f16(s[m][nb + 1], ak, b[2], b[3]);
-                }
+                mma_b_row(s[m], ak, vs, LV, kk);
             }
         }
         __syncthreads();  // every warp is done with this chunk's shared memory
@@ -405,7 +389,7 @@ __device__ __forceinline__ void delta_chunk_state(const float* __restrict__ u, c
         for (int nb = 0; nb < NB; ++nb)
 #pragma unroll
             for (int e = 0; e < 4; ++e)
-                st[(long)(16 * (MT * warp + m) + g + 8 * (e / 2)) * dv + 8 * nb + 2 * t + (e & 1)] = s[m][nb][e];
+                st[(long)srow(m, e / 2) * dv + 8 * nb + 2 * t + (e & 1)] = s[m][nb][e];
 }
 
 #define DELTA_CHUNKED(DK)                                                                                           \

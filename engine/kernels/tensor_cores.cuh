@@ -37,6 +37,19 @@ __device__ __forceinline__ void mma_f16(float (&c)[4], const u32 (&a)[4], u32 b0
 #endif
 }
 
+// c[nb] += a . (columns 8 nb .. 8 nb + 7 of rows 16 kk .. 16 kk + 15 of B) for every nb: B a k-major fp16 matrix in
+// shared memory, as for ldsm_b_pair.
+template <int NB>
+__device__ __forceinline__ void mma_b_row(float (&c)[NB][4], const u32 (&a)[4], const u16* bs, int ld, int kk) {
+#pragma unroll
+    for (int nb = 0; nb < NB; nb += 2) {
+        u32 b[4];
+        ldsm_b_pair(b, bs, ld, kk, nb);
+        mma_f16(c[nb], a, b[0], b[1]);
+        mma_f16(c[nb + 1], a, b[2], b[3]);
+    }
+}
+
 __device__ __forceinline__ u32 half2_bits(float a, float b) { return (u32)f2h(a) | ((u32)f2h(b) << 16); }
 
 // 16 bytes from global to shared memory, bypassing L1; zeros where !fill (rows past a range).
@@ -141,12 +154,5 @@ __device__ __forceinline__ void tile_softmax(const float (&s)[KT / 8][4], float 
 template <int D, int KT>
 __device__ __forceinline__ void tile_values(const u32 (&pa)[KT / 16][4], const u16* vs, int ld, float (&o)[D / 8][4]) {
 #pragma unroll
-    for (int kk = 0; kk < KT / 16; ++kk)
-#pragma unroll
-        for (int db = 0; db < D / 8; db += 2) {
-            u32 b[4];
-            ldsm_b_pair(b, vs, ld, kk, db);
-            mma_f16(o[db], pa[kk], b[0], b[1]);
-            mma_f16(o[db + 1], pa[kk], b[2], b[3]);
-        }
+    for (int kk = 0; kk < KT / 16; ++kk) mma_b_row(o, pa[kk], vs, ld, kk);
 }
