@@ -1,7 +1,7 @@
 # One device call: install the carried wheels, run the GPU tests, then the speed benchmarks.
 # Usage (on the GPU machine, repo root): bash bench/device_run.sh [tests] [kernels] [shapes] [prompt] [synthetic] [smol]
 #                                        [archs] [memory] [issue5] [flash] [ram] [cache] [moe] [hybrid] [hybridbench] [kvq8]
-#                                        [ring] [moeab] [peer] [s11]
+#                                        [ring] [moeab] [peer] [s13] [s13b] [s13c]
 # The GPU machine has no network: .whl/ holds the wheels it lacks (gguf; pydantic and its dependencies, which
 # tests/conftest.py's catalog lookup imports; `pip download` them for Python 3.12), and the SmolLM2 GGUF
 # (98 MB, over one call's 64 MB) travels in two parts, .carry/smol.part00 (copied to /tmp/strata by a first call) and
@@ -27,7 +27,7 @@
 # qwen3.6-35b-a3b" (Q4_K_M mix, SmolLM2's tokenizer, so llama.cpp loads them), then bench/peer_llamacpp.py for
 # PEER_RUNS="shape:prompt:output[:layers of experts in RAM] ..." (on a warm machine whose /tmp still holds the build
 # and the files, it reuses them), then bench_gpu.py for AB_RUNS="shape:prompt ..." with .carry/old's code and this
-# tree's. s11: session 11's checks in one call (below; run in session 12).
+# tree's. s13, s13b, s13c: session 13's three calls (below).
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 STRATA_TEST_CACHE=/tmp/strata
@@ -178,30 +178,67 @@ for part in "$@"; do
           (cd $tree && timeout 150 python3 bench/bench_gpu.py "$f" --prompt $p --output 64 --repeats 2) 2>&1 | tee -a "$OUT/moeab_bench.jsonl"
         done
       done ;;
-    s11)
-      # Session 11's checks in one call: the 35B hybrid file written in the background, the chunked delta rule's and
-      # the ring's tests, the delta rule's kernels, then decode (Qwen3-8B, 512) and prompt (the 35B hybrid, 4,096)
-      # for this tree and .carry/old.
-      f8=/tmp/strata/synthetic-qwen3-8b.gguf f35=/tmp/strata/synthetic-qwen3.6-35b-a3b.gguf
-      (python3 bench/make_synthetic_gguf.py $f35 --shape qwen3.6-35b-a3b --type Q4_K_M > "$OUT/make35.log" 2>&1; touch $f35.done) &
+    s13)
+      # Session 13's first call: the synthetic files written in the background, the hybrid families' GPU tests (session
+      # 12's refactor and test edits had not run on a GPU), then where a decode step's time goes (bench/profile_decode.py)
+      # for PROFILE_RUNS="shape:depth ..." (Q4_K_M mix).
+      runs=${PROFILE_RUNS:-qwen3.6-35b-a3b:512 qwen3-30b-a3b:4096 qwen3-8b:8192 qwen3.8-27b:512}
+      # At most two files on the disk at once (64 GB; the MoE files are about 20 GB each): each is deleted once profiled.
+      (for run in $runs; do f=/tmp/strata/synthetic-${run%%:*}.gguf
+         while [ $(ls /tmp/strata/synthetic-*.gguf 2>/dev/null | wc -l) -ge 2 ]; do sleep 2; done
+         [ -f $f ] || python3 bench/make_synthetic_gguf.py $f --shape ${run%%:*} --type Q4_K_M >> "$OUT/make.log" 2>&1
+         touch $f.done; done) &
       cp .carry/smollm2-tokenizer.gguf .carry/hybrid/*.gguf /tmp/strata/
       timeout 200 python3 -m pytest -q -s -p no:cacheprovider --tb=short -rf tests/test_gpu_hybrid.py 2>&1 | tee "$OUT/hybrid_tests.log" | grep -E "delta rule|relative error|logit range|passed|failed|Error"
-      date +%T
-      timeout 200 python3 -m pytest -q -s -p no:cacheprovider --tb=short -rf tests/test_gpu_kv_cache.py tests/test_gpu_arch.py \
-        tests/test_gpu_kernels.py -k "ring or attention" 2>&1 | tee "$OUT/ring_tests.log" | grep -E "logit|passed|failed|Error"
-      date +%T
-      timeout 60 python3 bench/gpu_kernels.py delta 2>&1 | tee "$OUT/delta_kernels.jsonl"
-      python3 bench/make_synthetic_gguf.py $f8 --shape qwen3-8b --type Q4_K_M
-      for tree in . .carry/old; do
-        echo "{\"tree\": \"$tree\"}" >> "$OUT/ab8b.jsonl"
-        (cd $tree && timeout 100 python3 bench/bench_gpu.py $f8 --prompt 512 --output 64 --repeats 2) 2>&1 | tee -a "$OUT/ab8b.jsonl"
-      done
-      rm -f $f8
-      while [ ! -f $f35.done ]; do sleep 2; done; date +%T
-      for tree in . .carry/old; do
-        echo "{\"tree\": \"$tree\"}" >> "$OUT/ab35b.jsonl"
-        (cd $tree && timeout 120 python3 bench/bench_gpu.py $f35 --prompt 4096 --output 32 --repeats 2) 2>&1 | tee -a "$OUT/ab35b.jsonl"
+      for run in $runs; do
+        f=/tmp/strata/synthetic-${run%%:*}.gguf
+        while [ ! -f $f.done ]; do sleep 2; done; date +%T
+        timeout 120 python3 bench/profile_decode.py $f --prompt ${run#*:} 2>&1 | tee -a "$OUT/profile.jsonl"
+        rm -f $f $f.done
       done ;;
+    s13b)
+      # Session 13's second call: llama-bench built and the peer files written in the background; decode attention
+      # alone for .carry/old and this tree (4 and 8 KV heads); profile_decode.py on each peer file as it lands
+      # (PROFILE_RUNS="shape:depth ..."); then peer_llamacpp.py for PEER_RUNS (as the peer step).
+      llama_build
+      (peer_files; touch /tmp/strata/peer.done) &
+      for tree in .carry/old .; do
+        for kvh in 4 8; do
+          echo "{\"tree\": \"$tree\"}" >> "$OUT/attention.jsonl"
+          (cd $tree && timeout 60 python3 bench/bench_attention.py --kv-heads $kvh --depths 8191 --reps 10) 2>&1 | grep decode | tee -a "$OUT/attention.jsonl"
+        done
+      done
+      for run in ${PROFILE_RUNS:-qwen3.6-35b-a3b:512 qwen3-8b:8192 qwen3-30b-a3b:4096}; do
+        f=/tmp/strata/peer-${run%%:*}.gguf
+        while [ ! -f $f ] || pgrep -f "make_synthetic_gguf.py $f" >/dev/null; do sleep 2; done
+        date +%T
+        timeout 100 python3 bench/profile_decode.py $f --prompt ${run#*:} 2>&1 | grep -v Warn | tee -a "$OUT/profile.jsonl"
+      done
+      wait; date +%T
+      for run in ${PEER_RUNS:-qwen3-8b:512:128}; do
+        IFS=: read -r shape p n ram <<< "$run"
+        timeout 200 python3 bench/peer_llamacpp.py /tmp/strata/peer-$shape.gguf --llama-bench $LLAMA_BENCH --prompt $p \
+          --output $n --repeats ${PEER_REPEATS:-2} --experts-in-ram ${ram:-0} 2>&1 | tee -a "$OUT/peer.jsonl"
+      done ;;
+    s13c)
+      # Session 13's third call: the attention kernels' tests (decode, flash, rings, q8_0), then decode at depth for
+      # this tree and .carry/old: the Qwen3-8B shape at 8,192 and the Qwen3-30B-A3B shape at 4,096 (Q4_K_M mix), then
+      # profile_decode.py on the 8B at 8,192.
+      f8=/tmp/strata/synthetic-qwen3-8b.gguf f30=/tmp/strata/synthetic-qwen3-30b-a3b.gguf
+      (python3 bench/make_synthetic_gguf.py $f8 --shape qwen3-8b --type Q4_K_M > "$OUT/make.log" 2>&1; touch $f8.done
+       python3 bench/make_synthetic_gguf.py $f30 --shape qwen3-30b-a3b --type Q4_K_M >> "$OUT/make.log" 2>&1; touch $f30.done) &
+      cp .carry/smollm2-tokenizer.gguf /tmp/strata/
+      timeout 170 python3 -m pytest -q -s -p no:cacheprovider --tb=short -rf tests/test_gpu_kv_cache.py tests/test_gpu_flash.py \
+        tests/test_gpu_kernels.py -k "ring or q8_0 or flash or attention_decode" 2>&1 | tee "$OUT/attention_tests.log" | grep -E "logit|passed|failed|Error"
+      for run in $f8:8192 $f30:4096; do
+        f=${run%:*}
+        while [ ! -f $f.done ]; do sleep 2; done; date +%T
+        for tree in . .carry/old; do
+          echo "{\"tree\": \"$tree\"}" >> "$OUT/ab.jsonl"
+          (cd $tree && timeout 80 python3 bench/bench_gpu.py $f --prompt ${run#*:} --output 64 --repeats 2) 2>&1 | tee -a "$OUT/ab.jsonl"
+        done
+      done
+      timeout 60 python3 bench/profile_decode.py $f8 --prompt 8192 2>&1 | grep -v Warn | tee -a "$OUT/profile.jsonl" ;;
     peer)
       llama_build
       peer_files

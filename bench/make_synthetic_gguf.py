@@ -125,6 +125,10 @@ def _metadata(w: GGUFWriter, s: dict, head_dim: int, tokenizer: Path | None) -> 
         for key, value in (("ssm.conv_kernel", 4), ("ssm.state_size", d), ("ssm.group_count", n_k),
                            ("ssm.time_step_rank", n_v), ("ssm.inner_size", n_v * d), ("full_attention_interval", 4)):
             w.add_uint32(f"{arch}.{key}", value)
+        # Rotary sections as the real files have them (11, 11, 10, 0 for 64 rotary dims): llama.cpp's loader requires
+        # the key; with text positions the sections rotate alike, so their split does not change the model.
+        base, extra = divmod(s.get("rope_dims", head_dim) // 2, 3)
+        w.add_array(f"{arch}.rope.dimension_sections", [base + (i < extra) for i in range(3)] + [0])
     if tokenizer is not None:
         _copied_tokenizer(w, s, tokenizer)
     else:

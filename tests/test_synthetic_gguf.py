@@ -52,6 +52,8 @@ def test_hybrid_shapes_load_and_run(tmp_path, arch):
         shape.update(experts=8, experts_used=2, shared=256)
     path = tmp_path / f"synthetic-{arch}.gguf"
     write_model(path, shape, type_mix("Q4_K_M"), "synthetic")
+    # llama.cpp's loader requires the rotary sections; they cover the 8 rotary pairs.
+    assert list(GGUFReader(path).fields[f"{arch}.rope.dimension_sections"].contents()) == [3, 3, 2, 0]
     model = load_model(path, device="cpu", context_length=64)
     kinds = model._state.config.mixer_kinds
     logits, _ = model.prompt_logits(list(range(2, 40)))

@@ -1,0 +1,100 @@
+"""Where a GPU decode step's time goes, kernel by kernel (needs PyTorch for its CUPTI profiler); not a test.
+
+Loads a GGUF on the GPU, runs a prompt of --prompt random tokens, then replays the captured decode graph --reps
+times under torch.profiler. Prints one JSON line: the graph step's device time (events, as bench_gpu.py times it),
+the step's busy span (first kernel start to last kernel end), and per step for each kernel (largest critical time
+first) and in total: launches; microseconds from start to end (with programmatic launches that includes waiting
+for the kernel before); critical microseconds, the part of the span it alone accounts for (past the end of every
+kernel before it); and microseconds the GPU idled before it. Critical and idle times sum to the span.
+
+Usage: python bench/profile_decode.py MODEL.gguf [--prompt 512] [--reps 20] [--experts-in-ram N] [--top 25]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.bench_gpu import gpu_name, graph_step_ms  # noqa: E402
+from engine import load_model  # noqa: E402
+from engine.generate import prefill  # noqa: E402
+
+
+def kernel_times(state, reps: int) -> tuple[dict[str, list[float]], float]:
+    """Per kernel name, [launches, microseconds from start to end, microseconds on the step's critical path,
+    microseconds the GPU idled before it] summed over `reps` graph replays, and the median busy span (us) of a
+    replay: each replay is synchronized alone, so spans do not overlap."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    backend, position = state.backend, len(state.cached)
+    state.decode_step(position)
+    backend.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            state.decode_step(position)
+            backend.synchronize()
+    torch.cuda.synchronize()
+    kernels = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
+    totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0, 0.0])
+    # Replays are separated by host synchronizations: a gap of 50 us or more between kernels starts a new replay.
+    spans, begin, end = [], None, None
+    for e in kernels:
+        start, stop = e.time_range.start, e.time_range.end
+        if begin is None or start - end > 50:
+            if begin is not None:
+                spans.append(end - begin)
+            begin = end = start
+        t = totals[e.name]
+        t[0] += 1
+        t[1] += stop - start
+        # With programmatic launches a kernel starts while its predecessor runs and waits for it: the time it
+        # alone adds to the step is what lies past everything before it; the GPU idled for any gap before it.
+        t[2] += max(0.0, stop - max(start, end))
+        t[3] += max(0.0, start - end)
+        end = max(end, stop)
+    if begin is not None:
+        spans.append(end - begin)
+    return totals, float(np.median(spans)) if spans else 0.0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model", type=Path)
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--experts-in-ram", type=int, default=0)
+    parser.add_argument("--top", type=int, default=25, help="kernels listed (the rest are summed as 'other')")
+    args = parser.parse_args()
+    model = load_model(args.model, device="cuda", context_length=args.prompt + 64,
+                       expert_layers_in_ram=args.experts_in_ram)
+    state = model._state
+    prompt = np.random.default_rng(0).integers(2, model.info.vocab_size, args.prompt).tolist()
+    prefill(state, prompt)
+    step_ms = graph_step_ms(state)
+    totals, span_us = kernel_times(state, args.reps)
+    fields = ("launches", "us", "critical_us", "idle_before_us")
+    per_step = sorted(([name, *(v / args.reps for v in values)] for name, values in totals.items()),
+                      key=lambda row: -row[3])
+    rest = per_step[args.top:]
+    if rest:
+        per_step = per_step[: args.top] + [["other", *(sum(row[i] for row in rest) for i in range(1, 5))]]
+    listed = [{"kernel": row[0], **{f: round(v, 2) for f, v in zip(fields, row[1:])}} for row in per_step]
+    total = {f: round(sum(row[i] for row in per_step), 1) for i, f in enumerate(fields, 1)}
+    print(json.dumps({
+        "model": model.info.name, "file": args.model.name, "gpu": gpu_name(), "depth": args.prompt,
+        "experts_in_ram": args.experts_in_ram, "gpu_ms_per_decode_step": step_ms, "busy_span_us": round(span_us, 1),
+        "per_step": total, "kernels": listed,
+    }), flush=True)
+    model.close()
+
+
+if __name__ == "__main__":
+    main()
