@@ -5,7 +5,7 @@ positions, by flash attention (engine/kernels/flash_attention.cu) and by attenti
 microseconds and TFLOP/s (2 products of 2 flops per query, key and head dim), timed with CUDA events over launches
 queued back to back after a warm-up; and one decode step's attention (rotary, cache write and output quantization
 included) by attention_decode, attention_decode_split at several split counts and attention_decode_deep with each
-of its tile shapes (kernel_names.DEEP_TILES and DEEP_SWEEP; its registers and spilled bytes as `regs` and
+of its tile shapes (kernel_names.DEEP_TILES and DEEP_SWEEP; the default tiles also at 8 and 16 splits; its registers and spilled bytes as `regs` and
 `local_bytes`), in microseconds and the TB/s of the keys and values it reads, timed as a replayed graph (graph_us),
 with each kernel's largest output difference to the first kernel's (attention_decode on sm_90) as `max_diff`.
 --kv-cache q8_0 times the kernels' q8_0 forms on a cache of random quants and scales (deep decode: its default
@@ -125,14 +125,16 @@ def main() -> None:
     if K.mma_capable():
         sweep = N.DEEP_SWEEP.get(hd, ()) if scales is None else ()
         for tiles in (N.DEEP_TILES[hd], *sweep):
-            splits = K.deep_decode_splits(max_tokens, kv, hd, tiles, args.kv_cache)
-            part_d = cupy.empty(h * splits * (hd + 2), cupy.float32)
-            decode[f"attention_decode_deep/kt{tiles[0]}_s{tiles[1]}/{splits}"] = functools.partial(
-                K.attention_decode_deep, q1, k1, v1, cos, sin, True, kc, vc, start, out1, scale, 0, part_d, done, q8,
-                splits, tiles, scales)
-            fn = K.kernel("attention", N.deep_decode(hd, tiles, args.kv_cache))
-            extra[next(reversed(decode))] = {"regs": fn.attributes["num_regs"],
-                                             "local_bytes": fn.attributes["local_size_bytes"]}
+            default = K.deep_decode_splits(max_tokens, kv, hd, tiles, args.kv_cache)
+            # The default tiles also at fewer splits: fewer partial results for the last block to merge.
+            for splits in sorted({default, *(s for s in (8, 16) if s < default and tiles == N.DEEP_TILES[hd])}):
+                part_d = cupy.empty(h * splits * (hd + 2), cupy.float32)
+                decode[f"attention_decode_deep/kt{tiles[0]}_s{tiles[1]}/{splits}"] = functools.partial(
+                    K.attention_decode_deep, q1, k1, v1, cos, sin, True, kc, vc, start, out1, scale, 0, part_d, done,
+                    q8, splits, tiles, scales)
+                fn = K.kernel("attention", N.deep_decode(hd, tiles, args.kv_cache))
+                extra[next(reversed(decode))] = {"regs": fn.attributes["num_regs"],
+                                                 "local_bytes": fn.attributes["local_size_bytes"]}
     for depth in sorted(d for d in set(depths + [511, 1023, 2047, 4095, 6143, 8191, max_tokens - 1]) if d < max_tokens):
         start.fill(depth)
         kv_bytes = 2 * kv * (depth + 1) * row_bytes

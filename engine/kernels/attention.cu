@@ -608,11 +608,12 @@ template <int D, int KT>
 __device__ __forceinline__ void warp_load_rows(u16* tile, const CacheRows<D, false>& rows, int j0, int end) {
     constexpr int PER_ROW = D / 8;
     const int lane = threadIdx.x & 31;
+    const long first = rows.row(j0);  // the tile's rows step from here (CacheRows::step)
 #pragma unroll
     for (int i = 0; i < KT * PER_ROW / 32; ++i) {
         const int c = 32 * i + lane, row = c / PER_ROW, col = 8 * (c % PER_ROW);
         const bool in = j0 + row < end;
-        copy16(tile + row * (D + 8) + col, rows.data + rows.row(in ? j0 + row : 0) * rows.ROW_BYTES + 2 * col, in);
+        copy16(tile + row * (D + 8) + col, rows.data + (in ? rows.step(first, row) : first) * rows.ROW_BYTES + 2 * col, in);
     }
 }
 
@@ -621,15 +622,16 @@ __device__ __forceinline__ void warp_load_rows(u16* tile, const CacheRows<D, fal
 template <int D, int KT>
 __device__ __forceinline__ void warp_load_q8(u8* raw, const CacheRows<D, true>& rows, int j0, int end) {
     const int lane = threadIdx.x & 31;
+    const long first = rows.row(j0);  // the tile's rows step from here (CacheRows::step)
 #pragma unroll
     for (int c = lane; c < KT * D / 16; c += 32) {
         const int row = c / (D / 16);
         const bool in = j0 + row < end;
-        copy16(raw + 16 * c, rows.data + rows.row(in ? j0 + row : 0) * D + 16 * (c % (D / 16)), in);
+        copy16(raw + 16 * c, rows.data + (in ? rows.step(first, row) : first) * D + 16 * (c % (D / 16)), in);
     }
     for (int row = lane; row < KT; row += 32) {
         const bool in = j0 + row < end;
-        copy_small<D / 16>(raw + KT * D + row * (D / 16), rows.scale + rows.row(in ? j0 + row : 0) * (D / 32), in);
+        copy_small<D / 16>(raw + KT * D + row * (D / 16), rows.scale + (in ? rows.step(first, row) : first) * (D / 32), in);
     }
 }
 
@@ -701,8 +703,10 @@ __device__ __forceinline__ void attention_decode_deep_impl(
 
     const float* cos_p = cos_t + (long)pos * (rot / 2);
     const float* sin_p = sin_t + (long)pos * (rot / 2);
-    for (int i = threadIdx.x; i < 16 * D; i += blockDim.x) {
-        const int h = i / D, d = i % D;
+    // A fixed count a thread, unrolled, so its loads are in flight together (not an L2 round trip a value).
+#pragma unroll
+    for (int r = 0; r < 16 * D / (32 * DEEP_WARPS); ++r) {
+        const int i = threadIdx.x + r * 32 * DEEP_WARPS, h = i / D, d = i % D;
         qs[h][d] = h < group ? rotated(q + (long)(kvh * group + h) * D, d, rot, neox, cos_p, sin_p) * scale_log2 : 0.0f;
     }
     __syncthreads();

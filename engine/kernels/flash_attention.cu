@@ -25,11 +25,12 @@ template <int D, int KT, bool Q8>
 __device__ __forceinline__ void load_tile(u16 (*tile)[D + 8], u8* raw_q, u32* raw_s, const CacheRows<D, Q8>& rows,
                                           int j0, int end) {
     constexpr int PER_ROW = Q8 ? D / 16 : D / 8;
+    const long first = rows.row(j0);  // the tile's rows step from here (CacheRows::step)
 #pragma unroll
     for (int i = 0; i < KT * PER_ROW / FA_THREADS; ++i) {
         const int c = i * FA_THREADS + threadIdx.x;
         const int row = c / PER_ROW;
-        const long j = rows.row(j0 + row < end ? j0 + row : 0);
+        const long j = j0 + row < end ? rows.step(first, row) : first;
         if constexpr (Q8) {
             const int col = 16 * (c % PER_ROW);
             copy16(raw_q + 16 * c, rows.data + j * D + col, j0 + row < end);

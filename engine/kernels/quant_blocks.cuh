@@ -411,8 +411,11 @@ __device__ __forceinline__ uint4 q8_half8(uint2 q, u32 s2) {
 }
 
 // The row of a KV head's cache holding position j: j itself, or in a cache of fewer rows than positions (a
-// sliding-window layer's ring, engine/kv_cache.py) j mod rows.
-__device__ __forceinline__ long cache_row(long j, int rows) { return j < rows ? j : j % rows; }
+// sliding-window layer's ring, engine/kv_cache.py) j mod rows, in 32 bits (positions are ints; a 64-bit modulo is a
+// long instruction sequence, which the compiler may run even where the branch is not taken).
+__device__ __forceinline__ long cache_row(long j, int rows) {
+    return j < rows ? j : (long)((unsigned)j % (unsigned)rows);
+}
 
 // KV head kvh's keys or values as the cache holds them, `rows` rows (cache_row): fp16, or with Q8 q8_0 (int8 values
 // and, in `scale`, an fp16 scale for each 32 of them; a value is q * scale, read as fp16 like the others, so the
