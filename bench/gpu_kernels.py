@@ -227,7 +227,7 @@ def bench_delta(rng):
                 start = cp.asarray((rng.standard_normal((n_v, dk, dv)) * 0.1).astype(np.float32))
                 state, out = start.copy(), cp.empty((n, n_v * dv), cp.float32)
                 scratch = tuple(cp.empty(shape, dtype) for shape, dtype in zip(
-                    K.delta_chunk_scratch(n, n_v, dk, dv), (cp.float32, cp.uint16, cp.uint16, cp.float32)))
+                    N.delta_chunk_scratch(n, n_v, dk, dv), N.DELTA_CHUNK_SCRATCH_TYPES))
                 row = {"kernel": "delta_rule", "shape": label, "n": n}
                 forms = {"token": lambda: K.gated_delta_net(qkv, ba, dt_bias, ssm_a, state, out, n_k, True),
                          "chunked": lambda: K.gated_delta_net_chunked(qkv, ba, dt_bias, ssm_a, state, out, n_k, True,

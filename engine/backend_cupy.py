@@ -33,6 +33,7 @@ from engine.errors import EngineError
 from engine.gguf_file import GGUFTensor
 from engine.kernels import cuda as K
 from engine.kernels.gpu_layout import supported
+from engine.kernels.kernel_names import DELTA_CHUNK_SCRATCH_TYPES, delta_chunk_scratch
 from engine.kernels.kernel_names import DELTA_KEY_DIMS as N_DELTA_KEY_DIMS
 from engine.kernels.host_calls import HostCalls
 from engine.q8_sets import Q8Sets, Span, span
@@ -525,8 +526,7 @@ class CupyBackend:
             K.gated_delta_net(qkv, ba, dt_bias.data, ssm_a.data, state, out, n_k_heads, tiled)
             return
         scratch = tuple(self._buffer(f"delta_{name}", int(np.prod(shape)), dtype).reshape(shape) for name, shape, dtype
-                        in zip(("u", "wqk", "p", "last"), K.delta_chunk_scratch(n, n_v, dk, dv),
-                               (cupy.float32, cupy.uint16, cupy.uint16, cupy.float32)))
+                        in zip(("u", "wqk", "p", "last"), delta_chunk_scratch(n, n_v, dk, dv), DELTA_CHUNK_SCRATCH_TYPES))
         K.gated_delta_net_chunked(qkv, ba, dt_bias.data, ssm_a.data, state, out, n_k_heads, tiled, scratch)
 
     @_op("out")

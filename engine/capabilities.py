@@ -14,6 +14,7 @@ import numpy as np
 from engine.arch import ARCHITECTURES
 from engine.backend import Q8_0_GROUP
 from engine.kernels.gpu_layout import FLOAT_TYPES, PLANES
+from engine.kernels.kernel_names import DELTA_CHUNK
 from engine.quants import SUPPORTED_TYPES
 
 # The CuPy backend's kernels use warp-level matrix instructions and int8 dot products of Turing and newer.
@@ -83,6 +84,7 @@ def profile() -> dict[str, Any]:
         "prefill_chunk": MAX_PROMPT_CHUNK,
         "default_context": DEFAULT_CONTEXT,
         "dequant_scratch_elements": DEQUANT_SCRATCH_ELEMENTS,
+        "gpu_delta_chunk": DELTA_CHUNK,
         "experts_in_ram": True,
         "hot_expert_cache": True,  # engine/expert_cache.py
     }

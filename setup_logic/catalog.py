@@ -123,6 +123,26 @@ class ModelFile(BaseModel):
         return self
 
 
+class LinearAttention(BaseModel):
+    """A hybrid's Gated DeltaNet layers (the layers without a KV cache): their heads and convolution."""
+
+    key_heads: int = Field(gt=0)
+    value_heads: int = Field(gt=0)
+    key_dim: int = Field(gt=0, description="size of a key head (queries alike)")
+    value_dim: int = Field(gt=0, description="size of a value head")
+    conv_kernel: int = Field(default=4, gt=1, description="width of the causal convolution on q, k and v")
+
+    @property
+    def conv_channels(self) -> int:
+        """Channels of the convolution: the queries, keys and values of every head."""
+        return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+
+    @property
+    def state_floats(self) -> int:
+        """float32 state of one layer: each value head's key x value matrix, and the convolution's last inputs."""
+        return self.value_heads * self.key_dim * self.value_dim + (self.conv_kernel - 1) * self.conv_channels
+
+
 class CatalogModel(BaseModel):
     id: str = Field(description='short id used by the tools, e.g. "qwen3-8b"')
     name: str
@@ -150,9 +170,14 @@ class CatalogModel(BaseModel):
         default=None, gt=0, description="positions a sliding-window layer attends to (Gemma 3); None: no such layers"
     )
     sliding_layers: int = Field(default=0, ge=0, description="layers that attend within sliding_window")
-    recurrent_state_bytes: int = Field(
-        default=0, ge=0, description="float32 bytes of recurrent (linear-attention) state per sequence"
+    linear_attention: LinearAttention | None = Field(
+        default=None, description="hybrids: the Gated DeltaNet layers' geometry (the layers kv_layers leaves out)"
     )
+    recurrent_state_bytes: int = Field(
+        default=0, ge=0, description="float32 bytes of recurrent (linear-attention) state per sequence; computed "
+        "from linear_attention where that is given"
+    )
+    n_ff_shared: int | None = Field(default=None, gt=0, description="width of the shared expert (hybrid MoE layers)")
     context_max: int = Field(gt=0, description="longest context the model was trained for, tokens")
     n_experts: int | None = None
     n_experts_used: int | None = None
@@ -181,6 +206,14 @@ class CatalogModel(BaseModel):
             self.expert_bytes = round(self.file_bytes * self.expert_params_b / self.params_b)
         if self.kv_layers is not None and not 0 < self.kv_layers <= self.n_layers:
             raise ValueError(f"{self.id}: kv_layers must be between 1 and n_layers")
+        if self.linear_attention is not None:
+            if self.kv_layers is None or self.kv_layers == self.n_layers:
+                raise ValueError(f"{self.id}: linear_attention needs kv_layers below n_layers (the attention layers)")
+            state = 4 * (self.n_layers - self.kv_layers) * self.linear_attention.state_floats
+            if self.recurrent_state_bytes not in (0, state):
+                raise ValueError(f"{self.id}: recurrent_state_bytes {self.recurrent_state_bytes} is not the "
+                                 f"{state} linear_attention gives")
+            self.recurrent_state_bytes = state
         if (self.sliding_window is None) != (self.sliding_layers == 0) or self.sliding_layers >= self.n_layers:
             raise ValueError(f"{self.id}: sliding_window and sliding_layers (fewer than n_layers) go together")
         return self

@@ -37,6 +37,9 @@ class EngineProfile(BaseModel):
     prefill_chunk: int = Field(gt=0, description="tokens per prompt chunk, which sizes the workspace")
     default_context: int = Field(gt=0, description="context the engine uses when none is asked for")
     dequant_scratch_elements: int = Field(ge=0, description="fp16 scratch of the GPU prompt path, in values")
+    gpu_delta_chunk: int = Field(
+        gt=0, description="tokens a chunk of the GPU's chunked delta rule (hybrids' prompts), which sizes its scratch"
+    )
     experts_in_ram: bool = Field(description="the engine can keep some MoE experts in RAM and compute them on the CPU")
     hot_expert_cache: bool = Field(
         False, description="the GPU can also hold the most picked experts of the layers whose experts are in RAM"

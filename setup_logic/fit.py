@@ -164,26 +164,55 @@ def kv_cache_bytes(model: CatalogModel, context_length: int, bytes_per_element: 
 
 
 def workspace_bytes(model: CatalogModel, context_length: int, engine: EngineProfile, on_gpu: bool) -> int:
-    """float32 buffers for one prompt chunk (residual, norms, QKV, attention out, FFN and its scratch, last logits),
-    the rotary cos/sin tables, and attention's working space: the NumPy reference holds one layer's scores for the
-    chunk against the whole context, the GPU kernel only per-head partial sums (chunk x heads x (head_dim + 2));
-    on the GPU also the prompt path's fp16 scratch."""
+    """The buffers of one prompt chunk (activation_floats_per_token of them a token, and the last logits), the rotary
+    cos/sin tables, and attention's working space: the NumPy reference holds one layer's scores for the chunk against
+    the whole context, the GPU kernel only per-head partial sums (chunk x heads x (head_dim + 2)); on the GPU also
+    the prompt path's fp16 scratch, a mixture's per-slot outputs and the chunked delta rule's scratch."""
     chunk = min(engine.prefill_chunk, context_length)
     q_dim = model.n_heads * model.head_dim
     kv_dim = model.n_kv_heads * model.head_dim
-    ffn = model.n_ff * (model.n_experts_used or 1)
-    per_token = 3 * model.n_embd + 2 * q_dim + 2 * kv_dim + 2 * ffn
     rope = context_length * model.head_dim
+    buffers = 4 * (chunk * activation_floats_per_token(model) + model.vocab_size + rope)
     if not on_gpu:
-        attention = chunk * model.n_heads * context_length
-        return 4 * (chunk * per_token + model.vocab_size + attention + rope)
+        return buffers + 4 * chunk * model.n_heads * context_length
     attention = chunk * model.n_heads * (model.head_dim + 2)
-    # fp16 scratch of the prompt path: the largest dense matrix dequantized, and the chunk's activations (experts
-    # run per token without scratch).
+    # fp16 scratch of the prompt path: the largest dense matrix dequantized, and the chunk's activations.
     dense_ffn = 0 if model.is_moe else model.n_ff
     largest = max(dense_ffn, q_dim + 2 * kv_dim) * model.n_embd
     fp16 = min(largest, engine.dequant_scratch_elements) + chunk * max(model.n_ff, model.n_embd, q_dim)
-    return 4 * (chunk * per_token + model.vocab_size + attention + rope) + 2 * fp16
+    # The grouped expert products' output a (token, expert) slot, summed into the chunk's rows afterwards.
+    slots = 4 * chunk * model.n_experts_used * model.n_embd if model.is_moe else 0
+    return buffers + 4 * attention + 2 * fp16 + slots + delta_chunk_scratch_bytes(model, chunk, engine)
+
+
+def activation_floats_per_token(model: CatalogModel) -> int:
+    """float32 values a token of a prompt chunk holds in the engine's buffers (engine/arch: the residual, the normed
+    input and a part's output; each mixer and feed-forward kind's own buffers)."""
+    q_dim = model.n_heads * model.head_dim
+    kv_dim = model.n_kv_heads * model.head_dim
+    ffn = model.n_ff * (model.n_experts_used or 1)
+    floats = 3 * model.n_embd + 2 * q_dim + 2 * kv_dim + 2 * ffn  # x, h, delta; QKV, attention out; FFN and scratch
+    if model.is_moe:  # router logits, routing weights and expert ids
+        floats += model.n_experts + 2 * model.n_experts_used
+    if model.n_ff_shared:  # the shared expert's activation and scratch, its output and its gate's logit
+        floats += 2 * model.n_ff_shared + model.n_embd + 1
+    la = model.linear_attention
+    if la is not None:  # the gated attention's output gate; the DeltaNet projections, convolved q/k/v and output
+        value_dim = la.value_heads * la.value_dim
+        floats += q_dim + 2 * la.conv_channels + 2 * value_dim + 2 * la.value_heads
+    return floats
+
+
+def delta_chunk_scratch_bytes(model: CatalogModel, chunk: int, engine: EngineProfile) -> int:
+    """The GPU's chunked delta rule's scratch for a prompt chunk of a hybrid (engine/kernels/kernel_names.py
+    delta_chunk_scratch): per chunk of gpu_delta_chunk tokens and value head, U (float32), three fp16 planes of key
+    width (-W, Q e^g, K e^(g_last - g)), the fp16 in-chunk products P, and one float32."""
+    la = model.linear_attention
+    if la is None:
+        return 0
+    c = engine.gpu_delta_chunk
+    chunks = -(-chunk // c) * la.value_heads
+    return chunks * (4 * c * la.value_dim + 2 * 3 * c * la.key_dim + 2 * c * c + 4)
 
 
 def _cpu_layout_ratio(model: CatalogModel, engine: EngineProfile) -> float:

@@ -781,7 +781,7 @@ def gated_delta_net(qkv: Any, ba: Any, dt_bias: Any, ssm_a: Any, state: Any, out
             i64(out.strides[0] // 4), i32(n), i32(n_k), i32(n_v), i32(dv), i32(1 if tiled else 0)))
 
 
-DELTA_CHUNK = 64  # tokens a chunk of the delta rule's prompt form (hybrid.cu DC)
+DELTA_CHUNK = N.DELTA_CHUNK
 DELTA_COLUMNS = 32  # state columns a block of delta_chunk_state (hybrid.cu DCOLS)
 # Fewer tokens go token by token: on an H100 at the Qwen3.6-35B-A3B shape 16 tokens took 39.4 us that way against
 # 67.7 chunked, 32 tokens 70.0 against 52.4 (bench/gpu_kernels.py delta).
@@ -793,12 +793,6 @@ def delta_chunked(n: int, dk: int, dv: int) -> bool:
     """Whether gated_delta_net_chunked takes n tokens of these heads on this GPU (else gated_delta_net does)."""
     return (n >= DELTA_CHUNK_MIN_TOKENS and dk in N.DELTA_CHUNK_KEY_DIMS and dv % DELTA_COLUMNS == 0
             and _capability() >= N.DELTA_CHUNK_OLDEST)
-
-
-def delta_chunk_scratch(n: int, n_v: int, dk: int, dv: int) -> tuple[tuple[int, ...], ...]:
-    """Shapes of gated_delta_net_chunked's scratch: u float32, wqk and p uint16 (fp16 bits), last float32."""
-    chunks = _blocks(n, DELTA_CHUNK) * n_v
-    return (chunks, DELTA_CHUNK, dv), (chunks, 3, DELTA_CHUNK, dk), (chunks, DELTA_CHUNK, DELTA_CHUNK), (chunks,)
 
 
 @functools.cache
@@ -817,7 +811,8 @@ def _delta_chunk_kernels(dk: int) -> tuple[str, int, str, int]:
 def gated_delta_net_chunked(qkv: Any, ba: Any, dt_bias: Any, ssm_a: Any, state: Any, out: Any, n_k: int, tiled: bool,
                             scratch: tuple[Any, ...]) -> None:
     """gated_delta_net's result by chunks of DELTA_CHUNK tokens (delta_chunked says when); scratch: arrays of
-    delta_chunk_scratch's shapes. out's rows must be an even number of floats apart (float2 stores)."""
+    kernel_names.delta_chunk_scratch's shapes and types. out's rows must be an even number of floats apart (float2
+    stores)."""
     n = qkv.shape[0]
     n_v, dk, dv = state.shape
     u, wqk, p, last = scratch

@@ -54,6 +54,17 @@ DELTA_KEY_DIMS = (16, 32, 64, 128)
 # Its chunked prompt form (delta_chunk_prep, delta_chunk_state; tensor cores, sm_80+) per key head size.
 DELTA_CHUNK_KEY_DIMS = (64, 128)
 DELTA_CHUNK_OLDEST = 80
+DELTA_CHUNK = 64  # tokens a chunk of the delta rule's prompt form (hybrid.cu DC)
+
+
+def delta_chunk_scratch(n: int, n_v: int, dk: int, dv: int) -> tuple[tuple[int, ...], ...]:
+    """Shapes of cuda.gated_delta_net_chunked's scratch for n tokens: u float32, wqk and p uint16 (fp16 bits), last
+    float32 (here, CuPy-free, so the fit can count them)."""
+    chunks = -(-n // DELTA_CHUNK) * n_v
+    return (chunks, DELTA_CHUNK, dv), (chunks, 3, DELTA_CHUNK, dk), (chunks, DELTA_CHUNK, DELTA_CHUNK), (chunks,)
+
+
+DELTA_CHUNK_SCRATCH_TYPES = ("float32", "uint16", "uint16", "float32")  # of delta_chunk_scratch's arrays, in order
 # The attention kernels and rope_store_kv are built for each form of the KV cache (engine.backend.KV_CACHE_TYPES):
 # the name's suffix.
 KV_SUFFIX = {"full": "", "q8_0": "_q8"}
