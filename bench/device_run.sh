@@ -1,5 +1,5 @@
 # One device call: install the carried wheels, run the GPU tests, then the speed benchmarks.
-# Usage (on the GPU machine, repo root): bash bench/device_run.sh [tests] [kernels] [shapes] [prompt] [synthetic] [smol]
+# Usage (on the GPU machine, repo root): bash bench/device_run.sh [warm] [tests] [kernels] [shapes] [prompt] [synthetic] [smol]
 #                                        [archs] [memory] [issue5] [flash] [ram] [cache] [moe] [hybrid] [hybridbench] [kvq8]
 #                                        [ring] [moeab] [peer] [s13] [s13b] [s13c]
 # The GPU machine has no network: .whl/ holds the wheels it lacks (gguf; pydantic and its dependencies, which
@@ -27,7 +27,8 @@
 # qwen3.6-35b-a3b" (Q4_K_M mix, SmolLM2's tokenizer, so llama.cpp loads them), then bench/peer_llamacpp.py for
 # PEER_RUNS="shape:prompt:output[:layers of experts in RAM] ..." (on a warm machine whose /tmp still holds the build
 # and the files, it reuses them), then bench_gpu.py for AB_RUNS="shape:prompt ..." with .carry/old's code and this
-# tree's. s13, s13b, s13c: session 13's three calls (below).
+# tree's. s13, s13b, s13c: session 13's three calls (below). warm: bench/compile_kernels.py for this tree and
+# .carry/old at once, first in a call whose steps run under time limits (written in session 13, not yet run).
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 STRATA_TEST_CACHE=/tmp/strata
@@ -51,6 +52,11 @@ peer_files() {
 for part in "$@"; do
   echo "== $part $(date +%T)"
   case $part in
+    warm)  # compile this tree's kernels and .carry/old's at once, so timed steps do not pay NVRTC inside their limits
+      for tree in . .carry/old; do
+        [ -d $tree/engine ] && timeout 300 python3 bench/compile_kernels.py --sweep --tree $tree 2>&1 | tee -a "$OUT/compile.jsonl" &
+      done
+      wait ;;
     tests) python3 -m pytest -q -p no:cacheprovider --tb=short -rf tests/test_gpu_layout.py tests/test_gpu_kernels.py tests/test_gpu_backend.py 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
     kernels) python3 bench/gpu_kernels.py matvec 2>&1 | tee "$OUT/kernels.jsonl" ;;
     shapes) python3 bench/gpu_kernels.py matvec_shapes 2>&1 | tee "$OUT/shapes.jsonl" ;;
