@@ -28,9 +28,7 @@ from engine.generate import prefill  # noqa: E402
 
 
 def kernel_times(state, reps: int) -> tuple[dict[str, list[float]], float]:
-    """Per kernel name, [launches, microseconds from start to end, microseconds on the step's critical path,
-    microseconds the GPU idled before it] summed over `reps` graph replays, and the median busy span (us) of a
-    replay: each replay is synchronized alone, so spans do not overlap."""
+    """critical_path of the kernels of `reps` graph replays, each synchronized alone (so replays do not overlap)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -42,17 +40,23 @@ def kernel_times(state, reps: int) -> tuple[dict[str, list[float]], float]:
             state.decode_step(position)
             backend.synchronize()
     torch.cuda.synchronize()
-    kernels = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
+    return critical_path([(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+                          if e.device_type.name == "CUDA"])
+
+
+def critical_path(kernels: list[tuple[str, float, float]], new_replay_gap: float = 50.0):
+    """From kernels' (name, start us, end us): per name, [launches, microseconds from start to end, microseconds on
+    the critical path, microseconds the GPU idled before it], and the median busy span of a replay (a gap of
+    new_replay_gap us or more between kernels starts a new one: replays are separated by host synchronizations).
+    Critical and idle times of a replay sum to its span."""
     totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0, 0.0])
-    # Replays are separated by host synchronizations: a gap of 50 us or more between kernels starts a new replay.
     spans, begin, end = [], None, None
-    for e in kernels:
-        start, stop = e.time_range.start, e.time_range.end
-        if begin is None or start - end > 50:
+    for name, start, stop in sorted(kernels, key=lambda k: k[1]):
+        if begin is None or start - end >= new_replay_gap:
             if begin is not None:
                 spans.append(end - begin)
             begin = end = start
-        t = totals[e.name]
+        t = totals[name]
         t[0] += 1
         t[1] += stop - start
         # With programmatic launches a kernel starts while its predecessor runs and waits for it: the time it
@@ -62,7 +66,7 @@ def kernel_times(state, reps: int) -> tuple[dict[str, list[float]], float]:
         end = max(end, stop)
     if begin is not None:
         spans.append(end - begin)
-    return totals, float(np.median(spans)) if spans else 0.0
+    return dict(totals), float(np.median(spans)) if spans else 0.0
 
 
 def main() -> None:
