@@ -1,6 +1,6 @@
 """Speed of the CPU matrix-vector products (engine/cpu) on random weights: GB/s of weight bytes read (the
 packed planes the kernels stream) and of the GGUF file's bytes for the same matrix. One JSON line per case. A type
-without a kernel (IQ3_S, Q3_K, ...) is timed through weights.product, which dequantizes rows into tiles for BLAS
+without a kernel (IQ3_XXS, IQ2_S, ...) is timed through weights.product, which dequantizes rows into tiles for BLAS
 ("kernel": "tiles").
 
     python bench/bench_cpu_products.py [--shapes 4096x14336,14336x4096] [--types Q4_0,Q4_K] [--repeats 20]

@@ -51,7 +51,6 @@ _GRIDS_F32 = {
         ("iq2xs", IQ2XS_GRID),
         ("iq2s", IQ2S_GRID),
         ("iq3xxs", IQ3XXS_GRID),
-        ("iq3s", IQ3S_GRID),
         ("iq1s", IQ1S_GRID),
     )
 }
@@ -141,14 +140,21 @@ def _iq3_xxs(blocks: np.ndarray) -> np.ndarray:
     return (db.reshape(n, 8, 1, 1) * grid * signs).reshape(n, QK_K)
 
 
-def _iq3_s(blocks: np.ndarray) -> np.ndarray:
+def iq3_s_fields(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """IQ3_S's signed levels (n, 8, 32) int8 in [-15, 15] (grid values under their sign bits), each 32 values' odd
+    scale 1 + 2 s (n, 8) int8 and d (n, 1) float32: value = (d * scale) * level."""
     n = blocks.shape[0]
     index = blocks[:, 2:66].astype(np.uint16) | (bits_little(blocks[:, 66:74]).astype(np.uint16) << np.uint16(8))
-    grid = _GRIDS_F32["iq3s"][index].reshape(n, 8, 4, 8)
-    signs = _SIGNS_OF_BYTE[blocks[:, 74:106]].reshape(n, 8, 4, 8)
-    odd = np.uint8(1) + np.uint8(2) * interleaved_nibbles(blocks[:, 106:110])
-    db = f16_field(blocks, 0) * odd.astype(np.float32)
-    return (db.reshape(n, 8, 1, 1) * grid * signs).reshape(n, QK_K)
+    grid = IQ3S_GRID[index].reshape(n, 8, 32).astype(np.int8)
+    levels = np.where(bits_little(blocks[:, 74:106]).reshape(n, 8, 32).astype(bool), -grid, grid)
+    odd = (np.uint8(1) + np.uint8(2) * interleaved_nibbles(blocks[:, 106:110])).astype(np.int8)
+    return levels, odd, f16_field(blocks, 0)
+
+
+def _iq3_s(blocks: np.ndarray) -> np.ndarray:
+    levels, odd, d = iq3_s_fields(blocks)
+    db = (d * odd.astype(np.float32)).reshape(-1, 8, 1)
+    return (db * levels.astype(np.float32)).reshape(-1, QK_K)
 
 
 def _iq1_values(dl: np.ndarray, index: np.ndarray, minus_delta: np.ndarray) -> np.ndarray:

@@ -55,7 +55,8 @@ _CUDA_HOST_BYTES = 300 * MIB
 # Tensor types without a CPU kernel (EngineProfile.cpu_kernel_types) are dequantized a few rows at a time for BLAS:
 # 0.046-0.095 GB/s of the file's bytes for IQ3_S (and Q2_K and IQ4_XS, before their kernels) experts' matrices on a
 # 2-core EPYC VM, one thread, against 5.9-13.8 for the kernels' types on the same matrices
-# (bench/results/2026-12-02_s6_cpu_tile_products.jsonl).
+# (bench/results/2026-12-02_s6_cpu_tile_products.jsonl; IQ3_S, now in Q6_K's layout: 0.014 -> 3.1-3.2,
+# bench/results/2026-12-06_s13_cpu_iq3s_products.jsonl).
 _CPU_F32_BYTES_PER_S = 10e9
 _CPU_QUANTIZED_BYTES_PER_S = 5e9
 _CPU_TILE_BYTES_PER_S = 0.05e9

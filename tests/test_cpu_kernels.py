@@ -28,7 +28,8 @@ from engine.quants import block_layout, quantized_nbytes
 U = 2.0**-24
 QUANTIZABLE = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0]  # gguf.quants.quantize writes these
 # Byte offsets of their fp16 scales.
-RANDOM_BLOCKS = {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,), T.Q3_K: (108,), T.Q2_K: (80, 82), T.IQ4_XS: (0,)}
+RANDOM_BLOCKS = {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,), T.Q3_K: (108,), T.Q2_K: (80, 82), T.IQ4_XS: (0,),
+                 T.IQ3_S: (0,)}
 SHAPES = [(37, 512), (3, 4096), (129, 768)]  # rows not divisible by threads or vector widths
 CASES = [(t, shape) for t in (*QUANTIZABLE, *RANDOM_BLOCKS) for shape in SHAPES] + [(t, (5, 32)) for t in QUANTIZABLE]
 
@@ -60,6 +61,7 @@ def _weight(qtype: T, rows: int, k: int, rng) -> tuple[np.ndarray, np.ndarray, n
         T.Q3_K: lambda: 32 * 32 * _f16(blocks, 108),  # the same in Q6_K's layout, its scales within [-32, 31]
         T.IQ4_XS: lambda: 128 * 32 * _f16(blocks, 0),  # the levels read plus 128, under scales within [-32, 31]
         T.Q2_K: lambda: 15 * _f16(blocks, 82),  # dmin times a 4-bit min
+        T.IQ3_S: lambda: 32 * 31 * _f16(blocks, 0),  # Q6_K's layout again, under odd scales up to 31
     }[qtype]()
     offsets = np.repeat(offset, elements).reshape(rows, k)
     return raw.reshape(rows, -1), dequantize(raw, qtype).astype(np.float64).reshape(rows, k), offsets
@@ -120,7 +122,7 @@ def test_repacked_rows_are_bit_identical_to_gguf(qtype):
     np.testing.assert_array_equal(gathered, values[picked].astype(np.float32))
 
 
-UNPACKED_SCALES = {T.IQ3_S: (0,)}  # types without a kernel, and the byte offsets of their fp16 scales
+UNPACKED_SCALES = {T.IQ3_XXS: (0,)}  # types without a kernel, and the byte offsets of their fp16 scales
 
 
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q8_0, *UNPACKED_SCALES], ids=lambda t: t.name)
@@ -241,7 +243,7 @@ def test_experts_marked_below_zero_are_left_to_the_gpu(n):
 # Bytes a packed 32-value group takes: the legacy types' float32 scale (and offset); the K-quants' own 8-bit scale
 # (and min) and a share of the float32 super-block scales of every 8 groups (Q4_K: 16 + 1 + 1 + 8 / 8).
 GROUP_BYTES = {T.Q4_0: 24, T.Q4_1: 24, T.Q5_0: 28, T.Q5_1: 28, T.Q8_0: 36, T.Q4_K: 19, T.Q5_K: 23, T.Q6_K: 26.5,
-               T.Q3_K: 26.5, T.Q2_K: 19, T.IQ4_XS: 17.5}
+               T.Q3_K: 26.5, T.Q2_K: 19, T.IQ4_XS: 17.5, T.IQ3_S: 26.5}
 
 
 @pytest.mark.parametrize("qtype", [*QUANTIZABLE, *RANDOM_BLOCKS], ids=lambda t: t.name)
@@ -250,8 +252,8 @@ def test_packed_weights_take_about_the_file_size(qtype):
     raw, _, _ = _weight(qtype, 64, 1024, rng)
     w = weights.load("w", raw, qtype, (64, 1024))
     assert w.planes is not None and w.dense is None and w.nbytes == GROUP_BYTES[qtype] * 64 * 1024 // 32
-    if qtype in RANDOM_BLOCKS:  # the K-quants within 12% of their file; Q3_K (in Q6_K's layout) and Q2_K within twice it
-        assert w.nbytes <= (2 if qtype in (T.Q3_K, T.Q2_K) else 1.12) * raw.nbytes
+    if qtype in RANDOM_BLOCKS:  # the K-quants within 12% of their file; Q3_K and IQ3_S (in Q6_K's layout) and Q2_K
+        assert w.nbytes <= (2 if qtype in (T.Q3_K, T.IQ3_S, T.Q2_K) else 1.12) * raw.nbytes  # within twice it
 
 
 def test_the_engine_profile_gives_each_packed_type_s_bytes_per_file_byte():

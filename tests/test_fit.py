@@ -438,21 +438,31 @@ def test_start_loads_with_the_fits_placement(monkeypatch, tmp_path):
 
 
 def test_types_without_a_cpu_kernel_make_a_model_too_slow_for_the_cpu_and_keep_its_experts_off_ram():
-    """IQ3_S has no CPU kernel: a token's products dequantize its rows for BLAS, two orders of magnitude slower than
+    """IQ3_XXS has no CPU kernel: a token's products dequantize its rows for BLAS, two orders of magnitude slower than
     the kernels (fit.py), so the CPU path does not offer such a file, nor computes its experts for the GPU."""
-    rec = recommend(pc(24, 23), load_catalog(), Preferences(goal="chat"), REAL)
-    slow = {r.id: r.reason for r in rec.not_fitting}
-    assert "the CPU has no kernel for its IQ3_S tensors" in slow["qwen3.6-35b-a3b"]
-    assert rec.choice is not None and rec.choice.model_id != "qwen3.6-35b-a3b"
+    xxs = get_model("qwen3.6-35b-a3b").model_copy(
+        update={"quant": "UD-IQ3_XXS", "tensor_types": ["F32", "IQ3_XXS", "Q4_K", "Q6_K", "Q8_0"]})
+    fit = fit_model(xxs, pc(64, 60), Preferences(), REAL)
+    assert fit.level == "none" and "the CPU has no kernel for its IQ3_XXS tensors" in fit.reason
     for kernels in ("qwen3-coder-30b-a3b-instruct", "qwen3-30b-a3b"):  # Q4_K/Q5_K/Q6_K/Q8_0, and Q3_K
         assert fit_model(get_model(kernels), pc(64, 60), Preferences(), REAL).level == "cpu"
     # Q3_K in Q6_K's layout takes about twice its file: 13 GB of Q3_K_S no longer fits 23 GB of RAM on the CPU.
     assert fit_model(get_model("qwen3-30b-a3b"), pc(24, 23), Preferences(), REAL).level == "none"
     small = pc(64, 60, [("RTX 4070", 12, 11.5)])
-    iq3_s_on_gpu = REAL.model_copy(update={"gpu_tensor_types": REAL.gpu_tensor_types | {"IQ3_S"}})
-    assert fit_model(get_model("qwen3.6-35b-a3b"), small, Preferences(context_length=8192), iq3_s_on_gpu).level != "gpu+ram"
+    xxs_on_gpu = REAL.model_copy(update={"gpu_tensor_types": REAL.gpu_tensor_types | {"IQ3_XXS"}})
+    assert fit_model(xxs, small, Preferences(context_length=8192), xxs_on_gpu).level != "gpu+ram"
     coder = fit_model(get_model("qwen3-coder-30b-a3b-instruct"), small, Preferences(context_length=8192), REAL)
     assert coder.level == "gpu+ram"
+
+
+def test_iq3_s_runs_on_the_cpus_kernels_at_about_twice_its_file():
+    """IQ3_S takes Q6_K's layout on the CPU (engine/cpu/layout.py): the 15.3 GB Qwen3.6-35B-A3B file is offered on
+    the CPU of a 64 GB PC, holding about 1.93 times its bytes, and no longer fits 23 GB of RAM."""
+    model = get_model("qwen3.6-35b-a3b")
+    fit = fit_model(model, pc(64, 60), Preferences(), REAL)
+    assert fit.level == "cpu"
+    assert fit.memory.ram_weights_bytes == round(model.file_bytes * 212 / 110)
+    assert fit_model(model, pc(24, 23), Preferences(), REAL).level == "none"
 
 
 def _base_arrays(x, seen: dict) -> dict:

@@ -16,10 +16,12 @@ order for Q4_0), so a kernel widens a group to 32 bytes with one mask and one sh
 - "iq4" (IQ4_XS): value = (sup[b // 8] * d[b]) * IQ4NL_VALUES[nibble], d each group's 6-bit scale minus 32 (int8),
   `sup` the super-block's fp16 d as float32; the kernels read IQ4NL_VALUES + 128 (unsigned) and take 128 times the
   group's activation sum off, as the other unsigned families take their offsets.
-- "q6k" (Q6_K, Q3_K): value = (sup[b // 8] * d[2 b + half]) * ((lo | hi2 << 4) - 32), d the int8 scale of each 16
-  values, `hi` 8 bytes a group, bits 2 s..2 s + 1 of byte t the top bits of value t + 8 s. A Q3_K quant q in
-  [-4, 3] is stored as q + 32 under its 6-bit scale minus 32: gguf's own float32 steps, read by the Q6_K kernels, at
-  twice the file's bytes (a kernel of its own would read 13.75 bytes a group instead of 26.5).
+- "q6k" (Q6_K, Q3_K, IQ3_S): value = (sup[b // 8] * d[2 b + half]) * ((lo | hi2 << 4) - 32), d the int8 scale of
+  each 16 values, `hi` 8 bytes a group, bits 2 s..2 s + 1 of byte t the top bits of value t + 8 s. A Q3_K quant q in
+  [-4, 3] is stored as q + 32 under its 6-bit scale minus 32, an IQ3_S level (a grid value under its sign, in
+  [-15, 15]) as level + 32 under its group's odd scale 1 + 2 s (both halves of the group): gguf's own float32 steps,
+  read by the Q6_K kernels, at twice the file's bytes (a kernel of its own would read 13.75 bytes a group instead of
+  26.5).
 
 The K-quants keep about their file's size (Q4_K 19 bytes a group against 18, Q5_K 23 against 22, Q6_K 26.5
 against 26.25; Q3_K, in Q6_K's layout, 26.5 against 13.75): a mixture's experts kept in RAM are read from there at
@@ -37,17 +39,17 @@ from gguf import GGMLQuantizationType as T
 from engine.cpu import unpack as unpack_rows
 from engine.quant_fields import bits_little, f16_field, split_bits
 from engine.quants import block_layout, q2_k_fields, q3_k_fields
-from engine.quants_iq import IQ4NL_VALUES, iq4_xs_fields
+from engine.quants_iq import IQ4NL_VALUES, iq3_s_fields, iq4_xs_fields
 
 GROUP = 32
 SUPER = 8  # groups in a K-quant super-block (256 values)
 NIBBLE_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1})
 K_NIBBLE_TYPES = frozenset({T.Q4_K, T.Q5_K})
-PACKED_TYPES = NIBBLE_TYPES | K_NIBBLE_TYPES | {T.Q8_0, T.Q6_K, T.Q3_K, T.Q2_K, T.IQ4_XS}
+PACKED_TYPES = NIBBLE_TYPES | K_NIBBLE_TYPES | {T.Q8_0, T.Q6_K, T.Q3_K, T.Q2_K, T.IQ4_XS, T.IQ3_S}
 # Bytes a group and bytes a super-block of each packed type.
 _BYTES = {T.Q4_0: (24, 0), T.Q4_1: (24, 0), T.Q5_0: (28, 0), T.Q5_1: (28, 0), T.Q8_0: (36, 0),
           T.Q4_K: (18, 8), T.Q5_K: (22, 8), T.Q6_K: (26, 4), T.Q3_K: (26, 4), T.Q2_K: (18, 8),
-          T.IQ4_XS: (17, 4)}
+          T.IQ4_XS: (17, 4), T.IQ3_S: (26, 4)}
 
 
 @dataclass
@@ -107,6 +109,10 @@ def pack(raw: np.ndarray, qtype: T, rows: int, k: int) -> Planes:
     if qtype == T.Q3_K:
         q, scales, d = q3_k_fields(blocks)
         return _q6k_planes((q + np.int8(32)).view(np.uint8).reshape(-1, GROUP), scales, d, rows, k)
+    if qtype == T.IQ3_S:
+        levels, odd, d = iq3_s_fields(blocks)
+        return _q6k_planes((levels + np.int8(32)).view(np.uint8).reshape(-1, GROUP), np.repeat(odd, 2, axis=1), d,
+                           rows, k)
     if qtype == T.Q2_K:
         q, scales, d, dmin = q2_k_fields(blocks)
         return Planes("q2k", k, _nibble_bytes(q.reshape(-1, GROUP)).reshape(rows, -1), np.zeros((rows, 0), np.uint8),
