@@ -104,11 +104,14 @@ def test_sliding_layers_keep_a_ring_and_match_transformers_past_it(gemma3_gguf, 
         assert cache.ring.n_layers == 15 and cache.full.n_layers == 3  # 5 sliding layers of every 6
         ids = model.tokenizer.encode(" ".join(PROMPTS) * 30)[: ring + 300]
         ours, _ = model.prompt_logits(ids, all_positions=True)
-        theirs = reference_logits(hf_model, ids)
+        # Against transformers in float64: a few positions of this periodic text are sensitive to rounding (at the
+        # worst, 1019, transformers' own float32 run is 1.4e-4 of the logit range off its float64 one, ours 8.7e-4),
+        # while a window one position too short or too long puts the logits 3.4e-2 off.
+        theirs = reference_logits(load_reference_model(gemma3_gguf).double(), ids)
         spread = theirs.max(axis=-1) - theirs.min(axis=-1)
         error = float(np.max(np.abs(ours - theirs).max(axis=-1) / spread))
         print(f"gemma-3-270m, {len(ids)} tokens through a ring of {ring}: max |diff| / logit range = {error:.2e}")
-        assert error < 1e-3
+        assert error < 2e-3
         with torch.no_grad():
             expect = hf_model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                                        max_new_tokens=8, do_sample=False, pad_token_id=0)[0, len(ids):].tolist()
