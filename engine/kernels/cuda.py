@@ -781,7 +781,6 @@ def gated_delta_net(qkv: Any, ba: Any, dt_bias: Any, ssm_a: Any, state: Any, out
             i64(out.strides[0] // 4), i32(n), i32(n_k), i32(n_v), i32(dv), i32(1 if tiled else 0)))
 
 
-DELTA_CHUNK = N.DELTA_CHUNK
 DELTA_COLUMNS = 32  # state columns a block of delta_chunk_state (hybrid.cu DCOLS)
 # Fewer tokens go token by token: on an H100 at the Qwen3.6-35B-A3B shape 16 tokens took 39.4 us that way against
 # 67.7 chunked, 32 tokens 70.0 against 52.4 (bench/gpu_kernels.py delta).
@@ -799,9 +798,10 @@ def delta_chunked(n: int, dk: int, dv: int) -> bool:
 def _delta_chunk_kernels(dk: int) -> tuple[str, int, str, int]:
     """The two kernels' names and dynamic shared memory (the layouts hybrid.cu describes above delta_chunk_prep and
     delta_chunk_state), allowed."""
-    lt, ld, lp, lv = DELTA_CHUNK + 4, dk + 8, DELTA_CHUNK + 8, DELTA_COLUMNS + 8
-    prep_bytes = 4 * (2 * dk * lt + DELTA_CHUNK * (DELTA_CHUNK + 1) + 2 * DELTA_CHUNK)
-    state_bytes = 2 * (3 * DELTA_CHUNK * ld + DELTA_CHUNK * lp + DELTA_CHUNK * lv + dk * lv)
+    dc = N.DELTA_CHUNK
+    lt, ld, lp, lv = dc + 4, dk + 8, dc + 8, DELTA_COLUMNS + 8
+    prep_bytes = 4 * (2 * dk * lt + dc * (dc + 1) + 2 * dc)
+    state_bytes = 2 * (3 * dc * ld + dc * lp + dc * lv + dk * lv)
     prep, state = N.delta_chunk("prep", dk), N.delta_chunk("state", dk)
     kernel("hybrid", prep).max_dynamic_shared_size_bytes = prep_bytes
     kernel("hybrid", state).max_dynamic_shared_size_bytes = state_bytes
@@ -810,14 +810,14 @@ def _delta_chunk_kernels(dk: int) -> tuple[str, int, str, int]:
 
 def gated_delta_net_chunked(qkv: Any, ba: Any, dt_bias: Any, ssm_a: Any, state: Any, out: Any, n_k: int, tiled: bool,
                             scratch: tuple[Any, ...]) -> None:
-    """gated_delta_net's result by chunks of DELTA_CHUNK tokens (delta_chunked says when); scratch: arrays of
+    """gated_delta_net's result by chunks of N.DELTA_CHUNK tokens (delta_chunked says when); scratch: arrays of
     kernel_names.delta_chunk_scratch's shapes and types. out's rows must be an even number of floats apart (float2
     stores)."""
     n = qkv.shape[0]
     n_v, dk, dv = state.shape
     u, wqk, p, last = scratch
     prep, prep_bytes, state_kernel, state_bytes = _delta_chunk_kernels(dk)
-    launch("hybrid", prep, (_blocks(n, DELTA_CHUNK), n_v), (_DELTA_PREP_THREADS,),
+    launch("hybrid", prep, (_blocks(n, N.DELTA_CHUNK), n_v), (_DELTA_PREP_THREADS,),
            (qkv, i64(qkv.strides[0] // 4), ba, i64(ba.strides[0] // 4), dt_bias, ssm_a, i32(n), i32(n_k), i32(n_v),
             i32(dv), i32(1 if tiled else 0), u, wqk, p, last), shared_mem=prep_bytes)
     launch("hybrid", state_kernel, (n_v, dv // DELTA_COLUMNS), (128,),

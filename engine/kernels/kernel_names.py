@@ -55,6 +55,7 @@ DELTA_KEY_DIMS = (16, 32, 64, 128)
 DELTA_CHUNK_KEY_DIMS = (64, 128)
 DELTA_CHUNK_OLDEST = 80
 DELTA_CHUNK = 64  # tokens a chunk of the delta rule's prompt form (hybrid.cu DC)
+DELTA_CHUNK_SCRATCH_TYPES = ("float32", "uint16", "uint16", "float32")  # of delta_chunk_scratch's arrays, in order
 
 
 def delta_chunk_scratch(n: int, n_v: int, dk: int, dv: int) -> tuple[tuple[int, ...], ...]:
@@ -64,7 +65,6 @@ def delta_chunk_scratch(n: int, n_v: int, dk: int, dv: int) -> tuple[tuple[int, 
     return (chunks, DELTA_CHUNK, dv), (chunks, 3, DELTA_CHUNK, dk), (chunks, DELTA_CHUNK, DELTA_CHUNK), (chunks,)
 
 
-DELTA_CHUNK_SCRATCH_TYPES = ("float32", "uint16", "uint16", "float32")  # of delta_chunk_scratch's arrays, in order
 # The attention kernels and rope_store_kv are built for each form of the KV cache (engine.backend.KV_CACHE_TYPES):
 # the name's suffix.
 KV_SUFFIX = {"full": "", "q8_0": "_q8"}
