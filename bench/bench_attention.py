@@ -9,16 +9,23 @@ of its tile shapes (kernel_names.DEEP_TILES and DEEP_SWEEP; the default tiles al
 `local_bytes`), in microseconds and the TB/s of the keys and values it reads, timed as a replayed graph (graph_us),
 with each kernel's largest output difference to the first kernel's (attention_decode on sm_90) as `max_diff`.
 --kv-cache q8_0 times the kernels' q8_0 forms on a cache of random quants and scales (deep decode: its default
-tiles only).
+tiles only). --layers N gives the decode kernels N caches, one launch after another each reading the next, as a
+model's layers do: with N caches larger than L2 every launch reads its keys from memory, not from L2. --phases
+(head size 128) adds, per depth, the timeline of the deep kernel's blocks (kernel_names.DEEP_PHASED) in the last
+launch of a replayed graph: for each phase (0 entry, 1 after grid_dependency_sync, 2 queries loaded, 3 keys done, 4
+own token and the warps' merge, 5 partial result stored, 6 done, the KV head's last block having merged the
+splits), microseconds from the first block's entry by the global timer (median and latest block), and each phase's
+own duration by the SM clock (median and longest).
 
 Usage: python bench/bench_attention.py [--heads 32] [--kv-heads 8] [--head-dim 128] [--chunk 512]
-       [--depths 0,7680,32256] [--kv-cache full|q8_0]
+       [--depths 0,7680,32256] [--kv-cache full|q8_0] [--layers 1] [--phases]
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -73,19 +80,24 @@ def main() -> None:
     parser.add_argument("--depths", default="0,7680,32256")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--kv-cache", choices=("full", "q8_0"), default="full")
+    parser.add_argument("--layers", type=int, default=1, help="caches the decode launches take in turn")
+    parser.add_argument("--phases", action="store_true", help="the deep kernel's timeline (head size 128)")
     args = parser.parse_args()
     h, kv, hd, n = args.heads, args.kv_heads, args.head_dim, args.chunk
     depths = [int(d) for d in args.depths.split(",")]
     max_tokens = max(depths) + n
     rng = np.random.default_rng(0)
-    if args.kv_cache == "q8_0":
-        kc, vc = (cupy.asarray(rng.integers(-127, 128, (kv, max_tokens, hd), np.int8)) for _ in range(2))
-        scales = tuple(cupy.asarray(rng.uniform(0.005, 0.03, (kv, max_tokens, hd // 32)).astype(np.float16))
-                       for _ in range(2))
-        row_bytes = hd + hd // 16
-    else:
-        kc, vc = (cupy.asarray(rng.standard_normal((kv, max_tokens, hd)).astype(np.float16)) for _ in range(2))
-        scales, row_bytes = None, 2 * hd
+
+    def cache() -> tuple:  # (keys, values, scales or None)
+        if args.kv_cache == "q8_0":
+            kc, vc = (cupy.asarray(rng.integers(-127, 128, (kv, max_tokens, hd), np.int8)) for _ in range(2))
+            return kc, vc, tuple(cupy.asarray(rng.uniform(0.005, 0.03, (kv, max_tokens, hd // 32)).astype(np.float16))
+                                 for _ in range(2))
+        return (*(cupy.asarray(rng.standard_normal((kv, max_tokens, hd)).astype(np.float16)) for _ in range(2)), None)
+
+    caches = [cache() for _ in range(args.layers)]
+    kc, vc, scales = caches[0]
+    row_bytes = hd + hd // 16 if args.kv_cache == "q8_0" else 2 * hd
     q = cupy.asarray(rng.standard_normal((n, h, hd)).astype(np.float32))
     out = cupy.empty((n, h * hd), cupy.float32)
     part = cupy.empty(n * h * (hd + 2), cupy.float32)
@@ -113,42 +125,82 @@ def main() -> None:
     out1 = cupy.empty((1, h * hd), cupy.float32)
     q8 = K.Q8.empty(h * hd)
     done = K.counters(kv)
-    decode, extra = {}, {}
+    decode, extra = {}, {}  # name -> its launch on each cache
+
+    def per_cache(fn, *before, after=(), **kwargs) -> list:
+        return [functools.partial(fn, *before, kc_, vc_, start, out1, scale, 0, *after, scales=sc_, **kwargs)
+                for kc_, vc_, sc_ in caches]
+
     if K.cluster_decode_attention():
-        decode["attention_decode"] = functools.partial(K.attention_decode, q1, k1, v1, cos, sin, True, kc, vc, start,
-                                                       out1, scale, 0, q8, scales)
+        decode["attention_decode"] = [functools.partial(K.attention_decode, q1, k1, v1, cos, sin, True, kc_, vc_,
+                                                        start, out1, scale, 0, q8, sc_) for kc_, vc_, sc_ in caches]
     for splits in sorted({K.decode_splits(max_tokens, kv), 16, 32, 64}):
         part_s = cupy.empty(h * splits * (hd + 2), cupy.float32)
-        decode[f"attention_decode_split/{splits}"] = functools.partial(
-            K.attention_decode_split, q1, k1, v1, cos, sin, True, kc, vc, start, out1, scale, 0, part_s, done, q8, splits,
-            scales=scales)
+        decode[f"attention_decode_split/{splits}"] = per_cache(K.attention_decode_split, q1, k1, v1, cos, sin, True,
+                                                               after=(part_s, done, q8, splits))
+    deep_parts = {}
     if K.mma_capable():
         sweep = N.DEEP_SWEEP.get(hd, ()) if scales is None else ()
         for tiles in (N.DEEP_TILES[hd], *sweep):
             default = K.deep_decode_splits(max_tokens, kv, hd, tiles, args.kv_cache)
-            # The default tiles also at fewer splits: fewer partial results for the last block to merge.
-            for splits in sorted({default, *(s for s in (8, 16) if s < default and tiles == N.DEEP_TILES[hd])}):
-                part_d = cupy.empty(h * splits * (hd + 2), cupy.float32)
-                decode[f"attention_decode_deep/kt{tiles[0]}_s{tiles[1]}/{splits}"] = functools.partial(
-                    K.attention_decode_deep, q1, k1, v1, cos, sin, True, kc, vc, start, out1, scale, 0, part_d, done,
-                    q8, splits, tiles, scales)
+            # The default tiles also at other split counts: fewer partial results for the last block to merge, or
+            # more blocks reading keys.
+            for splits in sorted({default, *((8, 16, 24, 32) if tiles == N.DEEP_TILES[hd] else ())}):
+                part_d = deep_parts.setdefault(splits, cupy.empty(h * splits * (hd + 2), cupy.float32))
+                name = f"attention_decode_deep/kt{tiles[0]}_s{tiles[1]}/{splits}"
+                decode[name] = per_cache(K.attention_decode_deep, q1, k1, v1, cos, sin, True,
+                                         after=(part_d, done, q8, splits, tiles))
                 fn = K.kernel("attention", N.deep_decode(hd, tiles, args.kv_cache))
-                extra[next(reversed(decode))] = {"regs": fn.attributes["num_regs"],
-                                                 "local_bytes": fn.attributes["local_size_bytes"]}
+                extra[name] = {"regs": fn.attributes["num_regs"], "local_bytes": fn.attributes["local_size_bytes"]}
+    phased = None
+    if args.phases and K.mma_capable() and hd == 128 and scales is None:
+        splits = K.deep_decode_splits(max_tokens, kv, hd)
+        phased = per_cache(K.attention_decode_deep, q1, k1, v1, cos, sin, True,
+                           after=(deep_parts[splits], done, q8, splits), phased=True)
     for depth in sorted(d for d in set(depths + [511, 1023, 2047, 4095, 6143, 8191, max_tokens - 1]) if d < max_tokens):
         start.fill(depth)
         kv_bytes = 2 * kv * (depth + 1) * row_bytes
         reference = None
-        for name, launch in decode.items():
-            launch()
+        for name, launches in decode.items():
+            launches[0]()
             got = out1.get()
             reference = got if reference is None else reference
             diff = {"max_diff": float(np.abs(got - reference).max())}
-            us = graph_us(launch, args.reps * 5)
-            print(json.dumps({**shape, "kernel": name, "depth": depth, "us": round(us, 2),
+            us = graph_us(cycling(launches), args.reps * 5)
+            print(json.dumps({**shape, "kernel": name, "depth": depth, "layers": args.layers, "us": round(us, 2),
                               "kv_tb_per_s": round(kv_bytes / us / 1e6, 3), **diff, **extra.get(name, {})}),
                   flush=True)
+        if phased:
+            print(json.dumps({**shape, "kernel": N.DEEP_PHASED, "depth": depth, "layers": args.layers,
+                              **timeline(phased, kv, K.deep_decode_splits(max_tokens, kv, hd), args.reps)}), flush=True)
 
+
+def cycling(launches: list):
+    """One launch a call, each on the next cache."""
+    turn = itertools.cycle(launches)
+    return lambda: next(turn)()
+
+
+def timeline(launches: list, n_kv: int, splits: int, reps: int) -> dict:
+    """The phased deep kernel's blocks in the last launch of a replayed graph (bench_attention's --phases)."""
+    phases = 8  # attention.cu DEEP_PHASES
+    record = cupy.ndarray((n_kv * splits, 2, phases), cupy.uint64,
+                          K.module("attention", sweep=True).get_global("deep_phases"))
+    record.fill(0)  # blocks past the active splits record nothing
+    graph_us(cycling(launches), reps)
+    cupy.cuda.Device().synchronize()
+    raw = record.get().astype(np.int64)
+    ns, clocks = raw[:, 0], raw[:, 1]
+    ran = ns[:, 6] > 0
+    ns, clocks = ns[ran], clocks[ran]
+    khz = cupy.cuda.Device().attributes["ClockRate"]
+    since = (ns[:, :7] - ns[:, 0].min()) / 1e3
+    own = np.diff(clocks[:, :7], axis=1) / khz * 1e3  # us
+    return {"blocks": int(ran.sum()),
+            "since_entry_us_median": [round(float(x), 2) for x in np.median(since, axis=0)],
+            "since_entry_us_latest": [round(float(x), 2) for x in since.max(axis=0)],
+            "phase_us_median": [round(float(x), 2) for x in np.median(own, axis=0)],
+            "phase_us_longest": [round(float(x), 2) for x in own.max(axis=0)]}
 
 if __name__ == "__main__":
     main()

@@ -1,7 +1,7 @@
 # One device call: install the carried wheels, run the GPU tests, then the speed benchmarks.
 # Usage (on the GPU machine, repo root): bash bench/device_run.sh [warm] [tests] [kernels] [shapes] [prompt] [synthetic] [smol]
 #                                        [archs] [memory] [issue5] [flash] [ram] [cache] [moe] [hybrid] [hybridbench] [kvq8]
-#                                        [ring] [moeab] [peer] [s13] [s13b] [s13c]
+#                                        [ring] [moeab] [peer] [s13] [s13b] [s13c] [phases] [ab]
 # The GPU machine has no network: .whl/ holds the wheels it lacks (gguf; pydantic and its dependencies, which
 # tests/conftest.py's catalog lookup imports; `pip download` them for Python 3.12), and the SmolLM2 GGUF
 # (98 MB, over one call's 64 MB) travels in two parts, .carry/smol.part00 (copied to /tmp/strata by a first call) and
@@ -27,7 +27,8 @@
 # qwen3.6-35b-a3b" (Q4_K_M mix, SmolLM2's tokenizer, so llama.cpp loads them), then bench/peer_llamacpp.py for
 # PEER_RUNS="shape:prompt:output[:layers of experts in RAM] ..." (on a warm machine whose /tmp still holds the build
 # and the files, it reuses them), then bench_gpu.py for AB_RUNS="shape:prompt ..." with .carry/old's code and this
-# tree's. s13, s13b, s13c: session 13's three calls (below). warm: bench/compile_kernels.py for this tree and
+# tree's. s13, s13b, s13c: session 13's three calls (below). phases: decode attention's kernels on caches out of L2 and
+# the deep kernel's timeline (ATTN_RUNS); ab: synthetic files (AB_RUNS) through bench_gpu.py for .carry/old and this tree. warm: bench/compile_kernels.py for this tree and
 # .carry/old at once, first in a call whose steps run under time limits (written in session 13, not yet run).
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -245,6 +246,29 @@ for part in "$@"; do
         done
       done
       timeout 60 python3 bench/profile_decode.py $f8 --prompt 8192 2>&1 | grep -v Warn | tee -a "$OUT/profile.jsonl" ;;
+    phases)
+      # Decode attention alone on caches read from memory (bench_attention.py --layers), with the deep kernel's
+      # timeline (--phases, this tree's), for ATTN_RUNS="kv_heads:depth:layers ..." (32 query heads of 128) and the trees
+      # of ATTN_TREES (". .carry/old" for an A/B; give .carry/old this tree's bench_attention.py).
+      for run in ${ATTN_RUNS:-4:4095:16 8:8191:8}; do
+        IFS=: read -r kvh depth layers <<< "$run"
+        for tree in ${ATTN_TREES:-.}; do
+          echo "{\"tree\": \"$tree\"}" >> "$OUT/attention.jsonl"
+          (cd $tree && timeout 150 python3 bench/bench_attention.py --kv-heads $kvh --depths 0,$depth --layers $layers \
+            --reps 10 $([ $tree = . ] && echo --phases)) 2>&1 | grep -E "decode|Error" | tee -a "$OUT/attention.jsonl"
+        done
+      done ;;
+    ab)
+      # AB_RUNS="shape:prompt ..." (synthetic, Q4_K_M mix, written here unless /tmp still holds them) through
+      # bench_gpu.py, .carry/old's code and this tree's, in one call.
+      for run in ${AB_RUNS}; do
+        f=/tmp/strata/synthetic-${run%%:*}.gguf
+        [ -f $f ] || python3 bench/make_synthetic_gguf.py $f --shape ${run%%:*} --type Q4_K_M > "$OUT/make.log" 2>&1
+        for tree in .carry/old .; do
+          echo "{\"tree\": \"$tree\"}" >> "$OUT/ab.jsonl"
+          (cd $tree && timeout 150 python3 bench/bench_gpu.py $f --prompt ${run#*:} --output 64 --repeats 2) 2>&1 | tee -a "$OUT/ab.jsonl"
+        done
+      done ;;
     peer)
       llama_build
       peer_files

@@ -62,37 +62,42 @@ __device__ __forceinline__ void combine_splits(const float* p, int n_splits, int
 }
 
 // One block's partial result for each query head h < group of its KV head, from its 4 warps' (acc, max, sum) in
-// shared memory (acc[(w rows + h) hd + d], m[w rows + h], l likewise) and, where own_s is not null, the step's own
-// token (score own_s[h], value own_v): hd + 2 floats at part + h n_splits (hd + 2), the block's split's place.
+// shared memory (acc[(w rows + h) HD + d], m[w rows + h], l likewise) and, where own_s is not null, the step's own
+// token (score own_s[h], value own_v): HD + 2 floats at part + h n_splits (HD + 2), the block's split's place.
+template <int HD>
 __device__ __forceinline__ void store_block_partial(const float* acc, const float* m, const float* l, int rows,
-                                                    const float* own_s, const float* own_v, int group, int hd,
-                                                    float* part, int n_splits) {
-    for (int i = threadIdx.x; i < group * (hd + 2); i += blockDim.x) {
-        const int h = i / (hd + 2), d = i % (hd + 2);
+                                                    const float* own_s, const float* own_v, int group, float* part,
+                                                    int n_splits) {
+    for (int i = threadIdx.x; i < group * (HD + 2); i += blockDim.x) {
+        const int h = i / (HD + 2), d = i % (HD + 2);
         float top = own_s != nullptr ? own_s[h] : NEG_INF;
 #pragma unroll
         for (int w = 0; w < 4; ++w) top = fmaxf(top, m[w * rows + h]);
-        float v = d == hd ? top : 0.0f;
-        if (d != hd) {
+        float v = d == HD ? top : 0.0f;
+        if (d != HD) {
 #pragma unroll
-            for (int w = 0; w < 4; ++w) v += (d < hd ? acc[(w * rows + h) * hd + d] : l[w * rows + h]) * exp2f(m[w * rows + h] - top);
-            if (own_s != nullptr) v += (d < hd ? own_v[d] : 1.0f) * exp2f(own_s[h] - top);
+            for (int w = 0; w < 4; ++w) v += (d < HD ? acc[(w * rows + h) * HD + d] : l[w * rows + h]) * exp2f(m[w * rows + h] - top);
+            if (own_s != nullptr) v += (d < HD ? own_v[d] : 1.0f) * exp2f(own_s[h] - top);
         }
-        part[(long)h * n_splits * (hd + 2) + d] = v;
+        part[(long)h * n_splits * (HD + 2) + d] = v;
     }
 }
 
 // After every block of a KV head wrote its partial results (part: per query head of the group, n_splits of
-// hd + 2 floats, the first `active` of them written): the head's last block to finish (counted in done[kvh], left at
+// HD + 2 floats, the first `active` of them written): the head's last block to finish (counted in done[kvh], left at
 // zero for the next launch) merges them and quantizes the output. All heads of the group at once: each warp takes a
 // head's maxima and sums (a lane per split) and leaves each split's weight, exp2(m_s - top) / sum, in shared
-// memory; then every thread sums its outputs' values over the splits, MERGE_OUTPUTS outputs at a time so their
-// loads are in flight together (a head after another, as before, took a round trip to L2 per head and split run:
-// 11 us for a 4-head group at 511 keys against the cluster kernel's 7.3).
+// memory; then every thread sums its MERGE_OUTPUTS outputs' values over the splits, loading MERGE_SPLITS splits'
+// values at once, so the merge takes a round trip to L2 per MERGE_SPLITS splits (the last block to finish does it
+// alone, while the rest of the GPU waits: with two splits' values in flight it took 13.7 us of a 22 us kernel, 33
+// splits of a group of 8 heads, H100).
 #define MERGE_OUTPUTS 8
+#define MERGE_SPLITS 8
+template <int HD>
 __device__ __forceinline__ void merge_group_splits(const float* part, u32* done, int kvh, int group, int n_splits,
-                                                   int active, int hd, float* out, signed char* xq, signed char* xq2,
+                                                   int active, float* out, signed char* xq, signed char* xq2,
                                                    float2* xds) {
+    constexpr int ROW = HD + 2;
     __shared__ bool last;
     __shared__ float weight[16][MAX_SPLITS];
     __threadfence();
@@ -103,15 +108,15 @@ __device__ __forceinline__ void merge_group_splits(const float* part, u32* done,
     }
     __syncthreads();
     if (!last) return;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, row = hd + 2;
-    const float* base = part + (long)kvh * group * n_splits * row;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const float* base = part + (long)kvh * group * n_splits * ROW;
     for (int h = warp; h < group; h += blockDim.x >> 5) {
         float m[MAX_SPLITS / 32], l[MAX_SPLITS / 32];
 #pragma unroll
         for (int j = 0; j < MAX_SPLITS / 32; ++j) {
             const int sp = lane + 32 * j;
-            m[j] = sp < active ? __ldcg(base + ((long)h * n_splits + sp) * row + hd) : NEG_INF;
-            l[j] = sp < active ? __ldcg(base + ((long)h * n_splits + sp) * row + hd + 1) : 0.0f;
+            m[j] = sp < active ? __ldcg(base + ((long)h * n_splits + sp) * ROW + HD) : NEG_INF;
+            l[j] = sp < active ? __ldcg(base + ((long)h * n_splits + sp) * ROW + HD + 1) : 0.0f;
         }
         float top = NEG_INF, den = 0.0f;
 #pragma unroll
@@ -124,22 +129,31 @@ __device__ __forceinline__ void merge_group_splits(const float* part, u32* done,
         for (int j = 0; j < MAX_SPLITS / 32; ++j) weight[h][lane + 32 * j] = exp2f(m[j] - top) / den;
     }
     __syncthreads();
-    // Outputs i = i0 + r blockDim.x: a warp's 32 lanes hold 32 consecutive dims of one head (hd a multiple of 32),
+    // Outputs i = i0 + r blockDim.x: a warp's 32 lanes hold 32 consecutive dims of one head (HD a multiple of 32),
     // the group quantize_group takes.
-    for (int i0 = threadIdx.x; i0 < group * hd; i0 += MERGE_OUTPUTS * blockDim.x) {
+    for (int i0 = threadIdx.x; i0 < group * HD; i0 += MERGE_OUTPUTS * blockDim.x) {
         float acc[MERGE_OUTPUTS] = {};
-#pragma unroll 2
-        for (int sp = 0; sp < active; ++sp)
+        for (int s0 = 0; s0 < active; s0 += MERGE_SPLITS) {
+            float v[MERGE_SPLITS][MERGE_OUTPUTS];
 #pragma unroll
-            for (int r = 0; r < MERGE_OUTPUTS; ++r) {
-                const int i = i0 + r * blockDim.x, h = i / hd;
-                if (i < group * hd) acc[r] += __ldcg(base + ((long)h * n_splits + sp) * row + i % hd) * weight[h][sp];
-            }
+            for (int s = 0; s < MERGE_SPLITS; ++s)
+#pragma unroll
+                for (int r = 0; r < MERGE_OUTPUTS; ++r) {
+                    const int i = i0 + r * blockDim.x;
+                    v[s][r] = s0 + s < active && i < group * HD
+                                  ? __ldcg(base + ((long)(i / HD) * n_splits + s0 + s) * ROW + i % HD) : 0.0f;
+                }
+#pragma unroll
+            for (int s = 0; s < MERGE_SPLITS; ++s)
+#pragma unroll
+                for (int r = 0; r < MERGE_OUTPUTS; ++r)
+                    if (s0 + s < active) acc[r] = fmaf(v[s][r], weight[(i0 + r * blockDim.x) / HD % 16][s0 + s], acc[r]);
+        }
 #pragma unroll
         for (int r = 0; r < MERGE_OUTPUTS; ++r) {
             const int i = i0 + r * blockDim.x;
-            if (i >= group * hd) break;  // the same for the 32 lanes of a warp
-            const long o = (long)kvh * group * hd + i;
+            if (i >= group * HD) break;  // the same for the 32 lanes of a warp
+            const long o = (long)kvh * group * HD + i;
             out[o] = acc[r];
             if (xq != nullptr) quantize_group(acc[r], o / 32, xq, xq2, xds);
         }
@@ -568,9 +582,9 @@ __device__ __forceinline__ void attention_decode_split_impl(
         }
     }
     __syncthreads();
-    store_block_partial(&wacc[0][0][0], &wm[0][0], &wl[0][0], G, nullptr, nullptr, group, HD,
-                        part + ((long)kvh * group * n_splits + split) * (HD + 2), n_splits);
-    merge_group_splits(part, done, kvh, group, n_splits, active, HD, out, xq, xq2, xds);
+    store_block_partial<HD>(&wacc[0][0][0], &wm[0][0], &wl[0][0], G, nullptr, nullptr, group,
+                            part + ((long)kvh * group * n_splits + split) * (HD + 2), n_splits);
+    merge_group_splits<HD>(part, done, kvh, group, n_splits, active, out, xq, xq2, xds);
 }
 
 #define ATTENTION_DECODE_SPLIT(HD, G, Q8, KV)                                                                   \
@@ -658,7 +672,28 @@ struct DeepTiles {
     static constexpr int WARP_BYTES = STAGES * STAGE_BYTES + (Q8 ? 4 * TILE : 0);
 };
 
-template <int D, int KT, int STAGES, bool Q8>
+#ifdef SWEEP_KERNELS
+// The phased sweep kernel's timeline (bench/bench_attention.py --phases): per block (split + splits * KV head), the
+// global timer and the SM's clock at DEEP_PHASES points.
+#define DEEP_PHASES 8
+__device__ unsigned long long deep_phases[MAX_SPLITS * 16 * DEEP_PHASES * 2];
+#endif
+
+// Phase i of a block's timeline, for the phased sweep kernel only (thread 0 of the block records it).
+template <bool PHASES>
+__device__ __forceinline__ void deep_phase(int i) {
+#ifdef SWEEP_KERNELS
+    if (PHASES && threadIdx.x == 0) {
+        unsigned long long ns;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
+        unsigned long long* p = deep_phases + ((long)blockIdx.y * gridDim.x + blockIdx.x) * DEEP_PHASES * 2;
+        p[i] = ns;
+        p[DEEP_PHASES + i] = clock64();
+    }
+#endif
+}
+
+template <int D, int KT, int STAGES, bool Q8, bool PHASES = false>
 __device__ __forceinline__ void attention_decode_deep_impl(
     const float* __restrict__ q, const float* k_new, const float* v_new, const float* cos_t, const float* sin_t,
     int rot, int neox, void* k_cache, void* v_cache, u16* k_scale, u16* v_scale, int max_tokens, int n_heads,
@@ -681,6 +716,7 @@ __device__ __forceinline__ void attention_decode_deep_impl(
     const int lo = first + split * per, hi = min(lo + per, pos + 1), cached_hi = min(hi, pos);
     const CacheRows<D, Q8> keys(k_cache, k_scale, kvh, max_tokens), values(v_cache, v_scale, kvh, max_tokens);
     u8* mine = smem + warp * Smem::WARP_BYTES;
+    deep_phase<PHASES>(0);
     // The warp's tile i: keys lo + (warp + DEEP_WARPS i) KT .., in buffer i % STAGES. Every call commits a group
     // (empty past the range), so waiting for all but the newest STAGES - 1 groups always means tile i landed.
     auto fetch = [&](int i) {
@@ -700,6 +736,7 @@ __device__ __forceinline__ void attention_decode_deep_impl(
 #pragma unroll
     for (int i = 0; i < STAGES - 1; ++i) fetch(i);
     grid_dependency_sync();
+    deep_phase<PHASES>(1);
 
     const float* cos_p = cos_t + (long)pos * (rot / 2);
     const float* sin_p = sin_t + (long)pos * (rot / 2);
@@ -719,6 +756,29 @@ __device__ __forceinline__ void attention_decode_deep_impl(
             qa[kk][h] = half2_bits(r[0], r[1]);
             qa[kk][2 + h] = half2_bits(r[8], r[9]);
         }
+    deep_phase<PHASES>(2);
+    // The split holding the step's own token rotates and stores it and scores it here, before its keys: its warp 0
+    // then takes the longest, but no other warp waits for it until the end.
+    const bool own = hi == pos + 1;
+    if (own && warp == 0) {
+        const NewKV<D, Q8> nkv = NewKV<D, Q8>::store_own(k_new, v_new, kvh, pos, cos_p, sin_p, rot, neox, k_cache,
+                                                        v_cache, k_scale, v_scale, max_tokens);
+        for (int h = 0; h < group; ++h) {
+            float dot = 0.0f;
+#pragma unroll
+            for (int c = 0; c < D / 64; ++c) {
+                const int d = 64 * c + 2 * lane;
+                dot = fmaf(qs[h][d + 1], h2f_hi(nkv.k[c]), fmaf(qs[h][d], h2f_lo(nkv.k[c]), dot));
+            }
+            dot = warp_sum(dot);
+            if (lane == 0) own_s[h] = dot;
+        }
+#pragma unroll
+        for (int c = 0; c < D / 64; ++c) {
+            own_v[64 * c + 2 * lane] = h2f_lo(nkv.v[c]);
+            own_v[64 * c + 2 * lane + 1] = h2f_hi(nkv.v[c]);
+        }
+    }
 
     float o[DN][4] = {};
     float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
@@ -753,6 +813,7 @@ __device__ __forceinline__ void attention_decode_deep_impl(
         __syncwarp();  // every lane is done with buffer i % STAGES before the next fetch refills it
     }
     copies_wait<0>();  // the empty groups of fetches past the range
+    deep_phase<PHASES>(3);
 
     // The warps' results through shared memory (the tiles' space): o[db][2 h + e] is row g + 8 h, dim 8 db + 2 t + e;
     // a row's sum is spread over the 4 lanes of its quad.
@@ -775,40 +836,24 @@ __device__ __forceinline__ void attention_decode_deep_impl(
             wl[warp][r] = l[h];
         }
     }
-    const bool own = hi == pos + 1;  // the split holding the step's own token
-    if (own && warp == 0) {
-        const NewKV<D, Q8> nkv = NewKV<D, Q8>::store_own(k_new, v_new, kvh, pos, cos_p, sin_p, rot, neox, k_cache,
-                                                        v_cache, k_scale, v_scale, max_tokens);
-        for (int h = 0; h < group; ++h) {
-            float dot = 0.0f;
-#pragma unroll
-            for (int c = 0; c < D / 64; ++c) {
-                const int d = 64 * c + 2 * lane;
-                dot = fmaf(qs[h][d + 1], h2f_hi(nkv.k[c]), fmaf(qs[h][d], h2f_lo(nkv.k[c]), dot));
-            }
-            dot = warp_sum(dot);
-            if (lane == 0) own_s[h] = dot;
-        }
-#pragma unroll
-        for (int c = 0; c < D / 64; ++c) {
-            own_v[64 * c + 2 * lane] = h2f_lo(nkv.v[c]);
-            own_v[64 * c + 2 * lane + 1] = h2f_hi(nkv.v[c]);
-        }
-    }
     __syncthreads();
-    store_block_partial(wacc, &wm[0][0], &wl[0][0], 16, own ? own_s : nullptr, own_v, group, D,
-                        part + ((long)kvh * group * n_splits + split) * (D + 2), n_splits);
-    merge_group_splits(part, done, kvh, group, n_splits, active, D, out, xq, xq2, xds);
+    deep_phase<PHASES>(4);
+    store_block_partial<D>(wacc, &wm[0][0], &wl[0][0], 16, own ? own_s : nullptr, own_v, group,
+                           part + ((long)kvh * group * n_splits + split) * (D + 2), n_splits);
+    deep_phase<PHASES>(5);
+    merge_group_splits<D>(part, done, kvh, group, n_splits, active, out, xq, xq2, xds);
+    deep_phase<PHASES>(6);
 }
 
 // NAME: kernel_names.deep_decode's; the shared memory the launch asks for: cuda._deep_kernel's.
-#define ATTENTION_DECODE_DEEP(D, KT, STAGES, Q8, NAME)                                                          \
+#define ATTENTION_DECODE_DEEP(D, KT, STAGES, Q8, NAME) ATTENTION_DECODE_DEEP_P(D, KT, STAGES, Q8, false, NAME)
+#define ATTENTION_DECODE_DEEP_P(D, KT, STAGES, Q8, PHASES, NAME)                                                \
     extern "C" __global__ void __launch_bounds__(32 * DEEP_WARPS) NAME(                                        \
         const float* q, const float* k_new, const float* v_new, const float* cos_t, const float* sin_t, int rot, \
         int neox, void* k_cache, void* v_cache, u16* k_scale, u16* v_scale, int max_tokens, int n_heads,       \
         int n_kv, const int* start, int window, float scale_log2, float* part, u32* done, float* out,          \
         signed char* xq, signed char* xq2, float2* xds) {                                                      \
-        attention_decode_deep_impl<D, KT, STAGES, Q8>(q, k_new, v_new, cos_t, sin_t, rot, neox, k_cache,        \
+        attention_decode_deep_impl<D, KT, STAGES, Q8, PHASES>(q, k_new, v_new, cos_t, sin_t, rot, neox, k_cache,\
                                                       v_cache, k_scale, v_scale, max_tokens, n_heads, n_kv,     \
                                                       start, window, scale_log2, blockIdx.y, blockIdx.x,        \
                                                       gridDim.x, part, done, out, xq, xq2, xds);                \
@@ -825,6 +870,7 @@ ATTENTION_DECODE_DEEP(128, 16, 2, false, attention_decode_deep_128_kt16_s2)
 ATTENTION_DECODE_DEEP(128, 16, 3, false, attention_decode_deep_128_kt16_s3)
 ATTENTION_DECODE_DEEP(128, 16, 4, false, attention_decode_deep_128_kt16_s4)
 ATTENTION_DECODE_DEEP(128, 32, 3, false, attention_decode_deep_128_kt32_s3)
+ATTENTION_DECODE_DEEP_P(128, 32, 2, false, true, attention_decode_deep_128_phases)  // deep_phases' timeline
 #endif
 
 #if __CUDA_ARCH__ >= 900

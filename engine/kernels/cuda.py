@@ -39,7 +39,8 @@ LOG2_E = 1.4426950408889634  # attention works in base 2
 
 @functools.cache
 def module(name: str, sweep: bool = False) -> cupy.RawModule:
-    """sweep: the copy that also holds the kernels only benchmark sweeps launch (kernel_names.SWEEP_OPTION)."""
+    """One module's kernels, loaded once (its globals are then the ones its kernels use). sweep: the copy that also
+    holds the kernels only benchmark sweeps launch (kernel_names.SWEEP_OPTION)."""
     return cupy.RawModule(code=sources.source(name), options=sources.OPTIONS + ((N.SWEEP_OPTION,) if sweep else ()))
 
 
@@ -582,6 +583,10 @@ SPLIT_CONTEXT = 8192  # before sm_90: caches from this many positions decode wit
 # 11.06 at 511 keys and 14.4 against 15.3 at 2,047, 24.8 against 16.9 at 4,095 (8B shape, H200).
 DEEP_DECODE_KEYS = 4096
 DEEP_WARPS = 4  # attention.cu DEEP_WARPS
+# Most splits of a KV head's keys for attention_decode_deep: the last block merges every split alone, while the rest
+# of the GPU waits. 4 KV heads at 4,095 keys: 19.39 us at the 33 splits of one wave, 17.61 at 24, 17.65 at 16
+# (H100, caches read from memory, bench/results/2026-12-06_s14call2_attention.jsonl).
+DEEP_MAX_SPLITS = 24
 
 
 def decode_splits(max_tokens: int, n_kv: int) -> int:
@@ -629,10 +634,10 @@ def attention_decode_split(q, k, v, cos, sin, neox: bool, k_cache, v_cache, star
 
 
 @functools.cache
-def _deep_kernel(hd: int, tiles: tuple[int, int], kv: str = "full") -> tuple[str, int, int]:
-    """(name, dynamic shared bytes, blocks a multiprocessor holds) of attention_decode_deep with these tiles; the
-    kernel is allowed its shared memory (above the default 48 KB) here, once."""
-    name = N.deep_decode(hd, tiles, kv)
+def _deep_kernel(hd: int, tiles: tuple[int, int], kv: str = "full", phased: bool = False) -> tuple[str, int, int]:
+    """(name, dynamic shared bytes, blocks a multiprocessor holds) of attention_decode_deep with these tiles (or
+    its phased sweep copy); the kernel is allowed its shared memory (above the default 48 KB) here, once."""
+    name = N.DEEP_PHASED if phased else N.deep_decode(hd, tiles, kv)
     kt, stages = tiles
     tile = kt * (hd + 8) * 2  # keys or values as fp16 rows, padded
     if kv == "full":
@@ -650,25 +655,26 @@ def deep_decode_splits(max_tokens: int, n_kv: int, hd: int, tiles: tuple[int, in
                        kv: str = "full") -> int:
     """Splits of each KV head's keys for attention_decode_deep: at most one wave of the blocks the GPU holds at
     once (a block past it doubled the time: 65.8 us against 48.1 at 32K keys, 8B shape, H200) at the deepest
-    position the cache holds, each split at least a tile per warp (fewer are active at shallower positions)."""
+    position the cache holds and at most DEEP_MAX_SPLITS, each split at least a tile per warp (fewer are active at
+    shallower positions)."""
     tiles = tiles or N.DEEP_TILES[hd]
     _, _, resident = _deep_kernel(hd, tiles, kv)
     sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
-    return max(1, min(MAX_SPLITS, _blocks(max_tokens, DEEP_WARPS * tiles[0]), resident * sms // n_kv))
+    return max(1, min(DEEP_MAX_SPLITS, _blocks(max_tokens, DEEP_WARPS * tiles[0]), resident * sms // n_kv))
 
 
 def attention_decode_deep(q, k, v, cos, sin, neox: bool, k_cache, v_cache, start, out, scale: float, window: int,
                           part, done, q8: Q8 | None = None, splits: int | None = None,
-                          tiles: tuple[int, int] | None = None, scales=None) -> None:
+                          tiles: tuple[int, int] | None = None, scales=None, phased: bool = False) -> None:
     """attention_decode_split's work on tensor cores with each warp's keys and values streamed through shared
     memory (sm_80+, GQA groups of at most 16): part, float32 scratch of H*splits*(hd+2); done = counters(KV).
     splits: deep_decode_splits by default; tiles: (keys a warp's tile, stages), kernel_names.DEEP_TILES' by
-    default (others for bench sweeps)."""
+    default (others for bench sweeps); phased: kernel_names.DEEP_PHASED, which records its timeline (bench)."""
     _, n_heads, hd = q.shape
     n_kv, max_tokens = k_cache.shape[0], k_cache.shape[1]
     tiles = tiles or N.DEEP_TILES[hd]
     kv, cache = _cache(k_cache, v_cache, scales)
-    name, shared, _ = _deep_kernel(hd, tiles, kv)
+    name, shared, _ = _deep_kernel(hd, tiles, kv, phased)
     splits = splits or deep_decode_splits(max_tokens, n_kv, hd, tiles, kv)
     launch("attention", name, (splits, n_kv), (32 * DEEP_WARPS,),
            (q, k, v, cos, sin, i32(2 * cos.shape[1]), i32(1 if neox else 0), *cache, i32(max_tokens),

@@ -49,6 +49,7 @@ PER_HEAD_DIM = {"attention_partial": ("attention", 75), "attention_decode": ("at
 # bench/bench_attention.py launches (attention.cu, #ifdef SWEEP_KERNELS).
 DEEP_TILES = {64: (64, 2), 128: (32, 2), 256: (16, 2)}
 DEEP_SWEEP = {128: ((16, 2), (16, 3), (16, 4), (32, 3))}
+DEEP_PHASED = "attention_decode_deep_128_phases"  # DEEP_TILES[128]'s kernel recording its timeline (deep_phases)
 # The gated delta rule (hybrid.cu) is built per key head size, which sets the registers its state takes.
 DELTA_KEY_DIMS = (16, 32, 64, 128)
 # Its chunked prompt form (delta_chunk_prep, delta_chunk_state; tensor cores, sm_80+) per key head size.
@@ -166,7 +167,8 @@ def built(capability: int, sweep: bool = False) -> dict[str, set[str]]:
     streams = {stream(t, form) for t in QUANT_TYPES for form in stream_forms(t)}
     if sweep:
         add("matvec", {stream(t, form) for t in QUANT_TYPES for form in STREAM_FORMS} - streams)
-        add("attention", {deep_decode(hd, tiles) for hd, sweep_tiles in DEEP_SWEEP.items() for tiles in sweep_tiles})
+        add("attention", {deep_decode(hd, tiles) for hd, sweep_tiles in DEEP_SWEEP.items() for tiles in sweep_tiles}
+            | {DEEP_PHASED})
         return names
     add("matvec", streams)
     for kind, (module, types) in PER_TYPE.items():
