@@ -195,7 +195,7 @@ def activation_floats_per_token(model: CatalogModel) -> int:
     floats = 3 * model.n_embd + 2 * q_dim + 2 * kv_dim + 2 * ffn  # x, h, delta; QKV, attention out; FFN and scratch
     if model.is_moe:  # router logits, routing weights and expert ids
         floats += model.n_experts + 2 * model.n_experts_used
-    if model.n_ff_shared:  # the shared expert's activation and scratch, its output and its gate's logit
+    if model.n_ff_shared:  # the shared expert's activation and scratch, its output, its gate's logit (the router's last column)
         floats += 2 * model.n_ff_shared + model.n_embd + 1
     la = model.linear_attention
     if la is not None:  # the gated attention's output gate; the DeltaNet projections, convolved q/k/v and output

@@ -62,6 +62,16 @@ def concat_rows(name: str, tensors: list[GGUFTensor]) -> GGUFTensor | None:
     return GGUFTensor(name, first.qtype, (sum(t.shape[0] for t in tensors), first.shape[1]), raw)
 
 
+def stack_rows(name: str, tensors: list[GGUFTensor]) -> GGUFTensor:
+    """concat_rows' matrix, or where the types differ every row as float32; a vector counts as one row."""
+    tensors = [GGUFTensor(t.name, t.qtype, (1, t.shape[0]), t.raw) if len(t.shape) == 1 else t for t in tensors]
+    joined = concat_rows(name, tensors)
+    if joined is not None:
+        return joined
+    rows = np.concatenate([quants.dequantize(t.raw, t.qtype, t.shape).astype(np.float32) for t in tensors])
+    return GGUFTensor(name, GGMLQuantizationType.F32, rows.shape, rows.reshape(-1).view(np.uint8))
+
+
 def rope_inv_freq(gguf: GGUFFile, rot_dim: int, base: float, scaled: bool = True) -> np.ndarray:
     """inv_freq[i] = base^(-2i/rot_dim), divided by the file's `rope_freqs.weight` factors (Llama 3.1 style)
     and by a linear rope scaling factor when the file declares one; with scaled=False neither (Gemma 3's

@@ -16,10 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from gguf import GGMLQuantizationType
 
 from engine import quants
-from engine.arch.common import WeightLoader, concat_rows
+from engine.arch.common import WeightLoader, concat_rows, stack_rows
 from engine.arch.parts import DELTANET, Buffers, Chunk, DecoderConfig, LayerSource
 from engine.backend import Array, Backend, WeightHandle
 from engine.gguf_file import GGUFFile, GGUFTensor
@@ -51,19 +50,11 @@ def gate_logits(gguf: GGUFFile, i: int, n_k_heads: int) -> tuple[GGUFTensor, int
     fused = gguf.tensors.get(f"blk.{i}.ssm_ba.weight")
     if fused is None:
         parts = [gguf.tensor(f"blk.{i}.ssm_{x}.weight") for x in ("beta", "alpha")]
-        joined = concat_rows(f"blk.{i}.ssm_beta_alpha.weight", parts)
-        if joined is None:  # types differ: the float32 rows of both
-            joined = _float_rows(f"blk.{i}.ssm_beta_alpha.weight", parts)
-        return joined, 2
+        return stack_rows(f"blk.{i}.ssm_beta_alpha.weight", parts), 2
     per_k = fused.shape[0] // 2 // n_k_heads
     groups = np.arange(fused.shape[0]).reshape(n_k_heads, 2, per_k)
     order = np.concatenate([groups[:, 0].reshape(-1), groups[:, 1].reshape(-1)])
     return select_rows(f"blk.{i}.ssm_ba.weight", fused, order), 1
-
-
-def _float_rows(name: str, parts: list[GGUFTensor]) -> GGUFTensor:
-    rows = np.concatenate([quants.dequantize(t.raw, t.qtype, t.shape).astype(np.float32) for t in parts])
-    return GGUFTensor(name, GGMLQuantizationType.F32, rows.shape, rows.reshape(-1).view(np.uint8))
 
 
 def load_mixer(gguf: GGUFFile, loader: WeightLoader, i: int, n_k_heads: int) -> DeltaNetWeights:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from engine.arch.common import stack_rows
 from engine.arch.parts import DENSE, MOE, MOE_SHARED, Buffers, Chunk, DecoderConfig, LayerSource
 from engine.backend import Array, Backend, KVCache, WeightHandle
 
@@ -70,8 +71,9 @@ class MoeFFN:
         return 4
 
     @classmethod
-    def load(cls, source: LayerSource, layer: int) -> MoeFFN:
-        router = source.upload(layer, "ffn_gate_inp.weight")
+    def load(cls, source: LayerSource, layer: int, router: WeightHandle | None = None) -> MoeFFN:
+        """router: the router's weights as already uploaded (with more rows after the experts'), else the file's."""
+        router = router or source.upload(layer, "ffn_gate_inp.weight")
         host = layer in source.host_expert_layers
         gate, up, down = (source.upload(layer, f"ffn_{name}_exps.weight", host) for name in ("gate", "up", "down"))
         e = source.config.moe()
@@ -93,28 +95,28 @@ class MoeFFN:
     def routed(self, config: DecoderConfig, chunk: Chunk, backend: Backend, b: MoeBuffers) -> None:
         """The chosen experts' weighted sum into chunk.delta."""
         h = chunk.h
-        backend.linear(h, self.router, b.router_logits)
-        backend.moe_route(b.router_logits, self.top_k, self.normalize_weights, b.weights, b.ids)
+        backend.moe_router(h, self.router, b.router_logits, config.moe().count, self.top_k, self.normalize_weights,
+                           b.weights, b.ids)
         backend.moe_ffn(h, self.gate_exps, self.up_exps, self.down_exps, b.ids, b.weights, chunk.delta, b.scratch,
                         config.activation)
 
 
 @dataclass
 class SharedMoeBuffers(MoeBuffers):
+    # router_logits (max_chunk, experts + 1): the last column the logit of the shared expert's sigmoid gate
     act: Array  # (max_chunk, shared width): the shared expert's activation(gate) * up
     act_scratch: Array
     shared_out: Array  # (max_chunk, hidden)
-    shared_gate: Array  # (max_chunk, 1): the logit of the shared expert's sigmoid gate
 
 
 @dataclass
 class SharedMoeFFN:
     """Routed experts plus a shared expert that every token runs, scaled by sigmoid(ffn_gate_inp_shexp . h)
-    (Qwen3.5 / Qwen3-Next MoE layers)."""
+    (Qwen3.5 / Qwen3-Next MoE layers). The gate's row (ffn_gate_inp_shexp) follows the experts' rows in the router's
+    matrix: one product computes both (a decode step's launch fewer)."""
 
     routed: MoeFFN
     shared: DenseFFN
-    shared_gate: WeightHandle  # (1, hidden)
 
     @staticmethod
     def uploads(config: DecoderConfig) -> int:
@@ -122,18 +124,20 @@ class SharedMoeFFN:
 
     @classmethod
     def load(cls, source: LayerSource, layer: int) -> SharedMoeFFN:
-        routed = MoeFFN.load(source, layer)
-        shared = DenseFFN(*(source.upload(layer, f"ffn_{x}_shexp.weight") for x in ("gate", "up", "down")))
-        return cls(routed, shared, source.upload(layer, "ffn_gate_inp_shexp.weight"))
+        rows = [source.tensor(layer, f"ffn_gate_inp{x}.weight") for x in ("", "_shexp")]
+        router = source.loader.upload(stack_rows(f"blk.{layer}.ffn_gate_inp+shexp.weight", rows), counts_as=2)
+        routed = MoeFFN.load(source, layer, router)
+        return cls(routed, DenseFFN(*(source.upload(layer, f"ffn_{x}_shexp.weight") for x in ("gate", "up", "down"))))
 
     @staticmethod
     def buffers(config: DecoderConfig, backend: Backend, max_chunk: int) -> SharedMoeBuffers:
         routed = MoeFFN.buffers(config, backend, max_chunk)
-        width = config.moe().shared_width
+        e = config.moe()
         return SharedMoeBuffers(
-            **{f: getattr(routed, f) for f in ("router_logits", "weights", "ids", "scratch")},
-            act=backend.empty((max_chunk, width)), act_scratch=backend.empty((max_chunk, width)),
-            shared_out=backend.empty((max_chunk, config.hidden)), shared_gate=backend.empty((max_chunk, 1)),
+            router_logits=backend.empty((max_chunk, e.count + 1)),
+            **{f: getattr(routed, f) for f in ("weights", "ids", "scratch")},
+            act=backend.empty((max_chunk, e.shared_width)), act_scratch=backend.empty((max_chunk, e.shared_width)),
+            shared_out=backend.empty((max_chunk, config.hidden)),
         )
 
     def run(self, config: DecoderConfig, chunk: Chunk, backend: Backend, cache: KVCache, layer: int) -> None:
@@ -142,6 +146,6 @@ class SharedMoeFFN:
         s = self.shared
         backend.gated_ffn(chunk.h, s.gate, s.up, b.act, b.act_scratch, config.activation)
         backend.linear(b.act, s.down, b.shared_out)
-        backend.linear(chunk.h, self.shared_gate, b.shared_gate)
-        backend.sigmoid_gate(b.shared_out, b.shared_gate, chunk.delta, accumulate=True)
+        gate = config.moe().count
+        backend.sigmoid_gate(b.shared_out, b.router_logits[:, gate : gate + 1], chunk.delta, accumulate=True)
 

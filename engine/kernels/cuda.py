@@ -332,12 +332,23 @@ def moe_down(down: GpuWeight, hidden: Any, q8: Q8 | None, ids: Any, weights: Any
 
 
 def moe_route(logits: Any, top_k: int, normalize: bool, weights_out: Any, ids_out: Any) -> None:
-    """Softmax of each row of logits (n, n_experts), its top_k experts into ids_out/weights_out (n, top_k); one
-    warp a token."""
+    """Softmax of each row of logits (n, n_experts; rows may be strided), its top_k experts into
+    ids_out/weights_out (n, top_k); one warp a token."""
     n, n_experts = logits.shape
-    launch("sampling", "moe_route", (_blocks(n, WARPS),), (32 * WARPS,),
-           (logits, i32(n), i32(n_experts), i32(top_k), i32(1 if normalize else 0), weights_out, ids_out),
+    launch("matvec", "moe_route", (_blocks(n, WARPS),), (32 * WARPS,),
+           (logits, i64(logits.strides[0] // 4), i32(n), i32(n_experts), i32(top_k), i32(1 if normalize else 0),
+            weights_out, ids_out),
            shared_mem=4 * WARPS * n_experts)
+
+
+def moe_router(router: GpuWeight, x: Any, logits: Any, n_experts: int, top_k: int, normalize: bool, done: Any,
+               weights_out: Any, ids_out: Any) -> None:
+    """One token's router product logits (1, m) = x . router (float weights, m rows: the experts' first) and its
+    routing on logits[:, :n_experts], as moe_route, in one launch; done = counters(1)."""
+    m, k = router.shape
+    launch("matvec", N.typed("moe_router", router.qtype), (_blocks(m, WARPS),), (32 * WARPS,),
+           (*router.args(), x, logits, i32(m), i32(k), i32(n_experts), i32(top_k),
+            i32(1 if normalize else 0), done, weights_out, ids_out), shared_mem=4 * n_experts)
 
 
 # ---- dequantize, prompt-path products, embedding -------------------------------------------------------

@@ -310,6 +310,9 @@ __device__ __forceinline__ T warp_sum(T v) {
     return v;
 }
 
+// (value, id) order: higher value first, then lower id.
+__device__ __forceinline__ bool better(float v, int i, float bv, int bi) { return v > bv || (v == bv && i < bi); }
+
 // The warp's largest v and the warp's sum of an int: one redux instruction each on sm_80 and newer (floats
 // compared as ints after flipping the magnitude bits of negatives, which orders them as numbers), five shuffles
 // before. Both exact, so either path gives the same bits (a NaN is not ordered; no caller passes one on purpose).
