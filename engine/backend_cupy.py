@@ -32,7 +32,7 @@ from engine.cpu.weights import load as load_host_weight
 from engine.errors import EngineError
 from engine.gguf_file import GGUFTensor
 from engine.kernels import cuda as K
-from engine.kernels.gpu_layout import supported
+from engine.kernels.gpu_layout import FLOAT_TYPES, PLANES, supported
 from engine.kernels.kernel_names import DELTA_CHUNK_SCRATCH_TYPES, delta_chunk_scratch
 from engine.kernels.kernel_names import DELTA_KEY_DIMS as N_DELTA_KEY_DIMS
 from engine.kernels.host_calls import HostCalls
@@ -171,7 +171,7 @@ class CupyBackend:
         if not supported(tensor.qtype) or len(shape) not in (2, 3):
             raise EngineError(
                 f"Tensor {tensor.name} is stored as {tensor.qtype.name} with shape {shape}, which the GPU backend "
-                "cannot use (it takes F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K matrices). "
+                f"cannot use (it takes {', '.join(t.name for t in (*FLOAT_TYPES, *PLANES))} matrices). "
                 "The CPU path runs it: use device='cpu', or pick a GGUF quantized with one of these types."
             )
         if shape[-1] % 32:

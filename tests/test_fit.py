@@ -354,7 +354,7 @@ def test_a_gpu_older_than_the_kernels_need_is_not_offered():
     assert rec.vram_budget_bytes == 0
     assert rec.choice is not None and rec.choice.level == "cpu"
     turing = pc(32, 26, [("RTX 2080", 8, 7.5)], capability="7.5")
-    assert recommend(turing, load_catalog(), Preferences(), REAL).choice.level == "gpu"
+    assert recommend(turing, load_catalog(), Preferences(), REAL).choice.level in ("gpu", "gpu+ram")
 
 
 def test_the_profile_is_what_the_engine_does(smollm2_gguf):

@@ -7,6 +7,7 @@ from gguf import GGMLQuantizationType as T
 from engine import quants
 from engine.kernels import reference
 from engine.kernels.gpu_layout import ALIGN, PLANES, from_planar, random_blocks, to_planar
+from engine.quants_iq import IQ3S_GRID, IQ4NL_VALUES
 
 
 @pytest.mark.parametrize("qtype", list(PLANES))
@@ -84,4 +85,61 @@ def test_linear_q8_is_close_to_linear():
 
 
 def test_gguf_types_the_gpu_backend_takes():
-    assert set(PLANES) == {T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K}
+    assert set(PLANES) == {T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.Q3_K, T.IQ4_XS, T.IQ3_S}
+
+
+def _planes(qtype, n, seed):
+    raw = random_blocks(qtype, n, np.random.default_rng(seed))
+    buf, layout = to_planar(raw, qtype)
+    planes = {name: buf[at : at + size].reshape(n, -1) for name, (at, size) in layout.offsets.items()}
+    d = planes["d"][:, :2].copy().view(np.float16).astype(np.float32)  # (n, 1)
+    return raw, planes, d
+
+
+def _bits(plane, i):
+    return (plane >> np.uint8(i)) & np.uint8(1)
+
+
+def _q3_k_as_read(n):
+    """BlockQ3_K's reading: group (half h, j) of a super-block from qs[32 h ..] bits 2j and hmask bit 4h + j; the
+    6-bit scale of sub-block i from byte i % 8's nibble i / 8 and byte 8 + i % 4's bits 2 (i / 4)."""
+    raw, p, d = _planes(T.Q3_K, n, 6)
+    q, h, sc = p["q"].reshape(n, 2, 32), p["h"], p["s"].astype(np.int32)
+    groups = [(((q[:, half] >> np.uint8(2 * j)) & 3).astype(np.int32) + 4 * _bits(h, 4 * half + j) - 4)
+              for half in range(2) for j in range(4)]
+    scale = np.stack([(sc[:, i % 8] >> 4 * (i // 8) & 15 | (sc[:, 8 + i % 4] >> 2 * (i // 4) & 3) << 4) - 32
+                      for i in range(16)], 1)
+    values = np.stack(groups, 1).reshape(n, 16, 16) * scale[:, :, None] * d[:, :, None]
+    return raw, values
+
+
+def _iq4_xs_as_read(n):
+    """BlockIQ4_XS's reading: sub-block j's 16 bytes, low nibbles then high ones, as indices into the 16 levels;
+    its scale from scales_l's nibble and scales_h's two bits."""
+    raw, p, d = _planes(T.IQ4_XS, n, 7)
+    q, sc = p["q"].reshape(n, 8, 16), p["s"].astype(np.int32)
+    index = np.concatenate([q & 15, q >> 4], axis=2)
+    high = sc[:, 0] | sc[:, 1] << 8
+    scale = np.stack([(sc[:, 2 + j // 2] >> 4 * (j % 2) & 15 | (high >> 2 * j & 3) << 4) - 32 for j in range(8)], 1)
+    return raw, IQ4NL_VALUES[index].astype(np.float32) * scale[:, :, None] * d[:, :, None]
+
+
+def _iq3_s_as_read(n):
+    """BlockIQ3_S's reading: sub-block j's eight grid rows qs[8 j + i] + 256 (bit i of qh[j]), each row's four levels
+    negated by bits 4i .. 4i + 3 of the sign word at signs[4 j ..]; scale 1 + 2 (nibble j % 2 of scales[j / 2])."""
+    raw, p, d = _planes(T.IQ3_S, n, 8)
+    q, qh, signs, sc = p["q"].reshape(n, 8, 8), p["h"][:, :8], p["h"][:, 8:].reshape(n, 8, 4), p["s"]
+    rows = q.astype(np.int32) | (np.stack([_bits(qh, i) for i in range(8)], 2).astype(np.int32) << 8)
+    levels = IQ3S_GRID[rows].astype(np.float32).reshape(n, 8, 32)  # (block, sub-block, weight 4i + e)
+    negative = np.unpackbits(signs, axis=2, bitorder="little").astype(bool)
+    scale = 1 + 2 * np.stack([sc[:, j // 2] >> 4 * (j % 2) & 15 for j in range(8)], 1).astype(np.float32)
+    return raw, np.where(negative, -levels, levels) * scale[:, :, None] * d[:, :, None]
+
+
+@pytest.mark.parametrize("qtype,as_read", [(T.Q3_K, _q3_k_as_read), (T.IQ4_XS, _iq4_xs_as_read),
+                                           (T.IQ3_S, _iq3_s_as_read)], ids=lambda x: getattr(x, "name", ""))
+def test_planes_decode_as_the_kernels_read_them(qtype, as_read):
+    """The GPU's Q3_K, IQ4_XS and IQ3_S (quant_blocks.cuh) read their planes as written out here; that reading must
+    give the values of gguf's dequantizer."""
+    raw, values = as_read(5)
+    assert np.array_equal(values.reshape(-1), quants.dequantize(raw, qtype, (5 * 256,)))

@@ -209,7 +209,9 @@ def quantize_q8(x: Any, q8: Q8) -> None:
     launch("matvec", "quantize_q8", (_blocks(groups, 8),), (256,), (x, *q8.args(), i32(groups)))
 
 
-HEAVY_DECODE = (T.Q5_K, T.Q6_K)  # several loads and shifts a group (quant_blocks.cuh): their own kernel shapes
+# Several loads and shifts a group (quant_blocks.cuh): their own kernel shapes (timed for Q5_K and Q6_K; Q3_K and
+# IQ3_S, which decode from several planes too, take them untimed).
+HEAVY_DECODE = (T.Q5_K, T.Q6_K, T.Q3_K, T.IQ3_S)
 
 
 def streamable(k: int) -> bool:

@@ -28,6 +28,9 @@ PLANES: dict[T, dict[str, tuple[int, int]]] = {
     T.Q4_K: {"s": (0, 16), "q": (16, 144)},
     T.Q5_K: {"d": (0, 4), "s": (4, 16), "h": (16, 48), "q": (48, 176)},
     T.Q6_K: {"q": (0, 128), "h": (128, 192), "s": (192, 208), "d": (208, 210)},
+    T.Q3_K: {"h": (0, 32), "q": (32, 96), "s": (96, 108), "d": (108, 110)},
+    T.IQ4_XS: {"d": (0, 2), "s": (2, 8), "q": (8, 136)},
+    T.IQ3_S: {"d": (0, 2), "q": (2, 66), "h": (66, 106), "s": (106, 110)},  # h: qh, then signs
 }
 # Where the fp16 block scales (d, and m or dmin where present) lie inside a GGUF block.
 FP16_SCALES: dict[T, tuple[int, int]] = {**{t: f["d"] for t, f in PLANES.items() if "d" in f}, T.Q4_K: (0, 4)}
@@ -56,7 +59,8 @@ REARRANGED = {(T.Q4_K, "q"): (_q4_k_by_sub_block, _q4_k_by_pair)}
 FLOAT_TYPES = {T.F32: np.float32, T.F16: np.float16, T.BF16: np.uint16}
 KERNEL_SUFFIX = {
     T.F32: "f32", T.F16: "f16", T.BF16: "bf16", T.Q4_0: "q4_0", T.Q4_1: "q4_1", T.Q5_0: "q5_0",
-    T.Q5_1: "q5_1", T.Q8_0: "q8_0", T.Q4_K: "q4_k", T.Q5_K: "q5_k", T.Q6_K: "q6_k",
+    T.Q5_1: "q5_1", T.Q8_0: "q8_0", T.Q4_K: "q4_k", T.Q5_K: "q5_k", T.Q6_K: "q6_k", T.Q3_K: "q3_k",
+    T.IQ4_XS: "iq4_xs", T.IQ3_S: "iq3_s",
 }
 PLANE_ORDER = ("q", "h", "s", "d")
 ALIGN = 256  # each plane starts on this boundary inside the one device buffer

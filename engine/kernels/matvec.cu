@@ -260,6 +260,9 @@ MATVEC_STREAM_LEAN(q8_0, BlockQ8_0)
 MATVEC_STREAM_LEAN(q4_k, BlockQ4_K)
 MATVEC_STREAM_LEAN(q5_k, BlockQ5_K)
 MATVEC_STREAM_LEAN(q6_k, BlockQ6_K)
+MATVEC_STREAM_LEAN(q3_k, BlockQ3_K)
+MATVEC_STREAM_LEAN(iq4_xs, BlockIQ4_XS)
+MATVEC_STREAM_LEAN(iq3_s, BlockIQ3_S)
 #endif
 
 // Float weights: x stays float32; each lane reads 8 weights (16 bytes for fp16/bf16) per step.
