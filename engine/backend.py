@@ -272,12 +272,6 @@ class Backend(Protocol):
         router_logits: (n, n_experts) float32; weights_out: (n, top_k) float32; ids_out: (n, top_k) int32.
         """
 
-    def moe_router(self, x: Array, router: WeightHandle, logits: Array, n_experts: int, top_k: int, normalize: bool,
-                   weights_out: Array, ids_out: Array) -> None:
-        """The router's product and the routing: logits = x . router^T (n, rows: the experts' first, then any rows
-        more the product carries, such as a shared expert's gate), then moe_route on logits[:, :n_experts].
-        """
-
     def moe_ffn(
         self,
         x: Array,

@@ -387,16 +387,6 @@ class CupyBackend:
     def moe_route(self, router_logits: Any, top_k: int, normalize: bool, weights_out: Any, ids_out: Any) -> None:
         K.moe_route(router_logits, top_k, normalize, weights_out, ids_out)
 
-    @_op("logits", "weights_out", "ids_out")
-    def moe_router(self, x, router: K.GpuWeight, logits, n_experts: int, top_k: int, normalize: bool, weights_out,
-                   ids_out) -> None:
-        if x.shape[0] == 1 and not router.quantized:  # a decode step: one launch (the last block routes)
-            done = self._decode_buffer("moe_router_done", 1, cupy.uint32, zeroed=True)
-            K.moe_router(router, x, logits, n_experts, top_k, normalize, done, weights_out, ids_out)
-            return
-        self.linear(x, router, logits)
-        self.moe_route(logits[:, :n_experts], top_k, normalize, weights_out, ids_out)
-
     @_op("out", "scratch")
     def moe_ffn(self, x, gate_exps: K.GpuWeight | CpuWeight, up_exps: K.GpuWeight | CpuWeight,
                 down_exps: K.GpuWeight | CpuWeight, ids, weights, out, scratch, activation: str = "silu") -> None:

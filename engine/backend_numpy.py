@@ -126,10 +126,6 @@ class NumpyBackend:
     def moe_route(self, router_logits, top_k: int, normalize: bool, weights_out, ids_out) -> None:
         reference.moe_route(router_logits, top_k, normalize, weights_out, ids_out)
 
-    def moe_router(self, x, router, logits, n_experts: int, top_k: int, normalize: bool, weights_out, ids_out) -> None:
-        self.linear(x, router, logits)
-        self.moe_route(logits[:, :n_experts], top_k, normalize, weights_out, ids_out)
-
     def moe_ffn(self, x, gate_exps: CpuWeight, up_exps: CpuWeight, down_exps: CpuWeight, ids, weights, out, scratch, activation: str = "silu") -> None:
         experts.moe_ffn(x, gate_exps, up_exps, down_exps, ids, weights, out, activation)  # scratch: the GPU's space
 

@@ -1,6 +1,6 @@
 """The mixture-of-experts kernels against their NumPy references (needs CuPy and an NVIDIA GPU), on fresh random
-inputs with NaN-poisoned outputs: routing (softmax, top-k, renormalization; with the router's product in one
-launch for a token), the expert FFN at one token, at a short
+inputs with NaN-poisoned outputs: routing (softmax, top-k, renormalization, on rows that may be strided), the
+expert FFN at one token, at a short
 chunk (a product per token and expert) and at a longer one (grouped products: uniform routing, and a skewed one
 where one expert takes more than a tile of tokens and others none), and the one-token FFN captured in a CUDA graph
 and replayed with new expert ids written to device memory in between.
@@ -68,34 +68,6 @@ def test_moe_route(n_experts, top_k, normalize, extra):
     want_w, want_ids = np.empty((n, top_k), np.float32), np.empty((n, top_k), np.int32)
     reference.moe_route(logits, top_k, normalize, want_w, want_ids)
     backend.synchronize()
-    assert np.array_equal(ids.get(), want_ids)
-    assert rel(weights.get(), want_w) < 1e-5
-    backend.close()
-
-
-@pytest.mark.parametrize("qtype,n", [(T.F32, 1), (T.F16, 1), (T.F32, 5)])
-@pytest.mark.parametrize("extra", [0, 1])
-def test_moe_router(qtype, n, extra):
-    """The router's product and the routing in one op: one launch for a token (the last block routes), the product
-    then moe_route for a chunk; extra: a row more in the router (a shared expert's gate), left out of the routing."""
-    rng = np.random.default_rng()
-    backend = CupyBackend()
-    n_experts, top_k, k = 128, 8, 2048
-    tensor, router = stacked("router", qtype, (n_experts + extra, k), rng)
-    x = rng.standard_normal((n, k)).astype(np.float32)
-    weight = backend.upload(tensor)
-    with backend.stream:
-        logits = cp.full((n, n_experts + extra), np.nan, cp.float32)
-        weights, ids = cp.full((n, top_k), np.nan, cp.float32), cp.full((n, top_k), -1, cp.int32)
-        dev_x = cp.asarray(x)
-    for _ in range(2):  # the second launch finds the completion counter the first left at zero
-        backend.moe_router(dev_x, weight, logits, n_experts, top_k, True, weights, ids)
-    want_logits = (x.astype(np.float64) @ router.astype(np.float64).T).astype(np.float32)
-    want_w, want_ids = np.empty((n, top_k), np.float32), np.empty((n, top_k), np.int32)
-    reference.moe_route(logits.get()[:, :n_experts], top_k, True, want_w, want_ids)
-    backend.synchronize()
-    # A token's product is float32 (matvec); a chunk's runs on tensor cores (the prompt products' 2e-3 above).
-    assert rel(logits.get(), want_logits) < (1e-5 if n == 1 else 2e-3)
     assert np.array_equal(ids.get(), want_ids)
     assert rel(weights.get(), want_w) < 1e-5
     backend.close()

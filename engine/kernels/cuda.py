@@ -343,16 +343,6 @@ def moe_route(logits: Any, top_k: int, normalize: bool, weights_out: Any, ids_ou
            shared_mem=4 * WARPS * n_experts)
 
 
-def moe_router(router: GpuWeight, x: Any, logits: Any, n_experts: int, top_k: int, normalize: bool, done: Any,
-               weights_out: Any, ids_out: Any) -> None:
-    """One token's router product logits (1, m) = x . router (float weights, m rows: the experts' first) and its
-    routing on logits[:, :n_experts], as moe_route, in one launch; done = counters(1)."""
-    m, k = router.shape
-    launch("matvec", N.typed("moe_router", router.qtype), (_blocks(m, WARPS),), (32 * WARPS,),
-           (*router.args(), x, logits, i32(m), i32(k), i32(n_experts), i32(top_k),
-            i32(1 if normalize else 0), done, weights_out, ids_out), shared_mem=4 * n_experts)
-
-
 # ---- dequantize, prompt-path products, embedding -------------------------------------------------------
 
 def dequant(w: GpuWeight, out: Any, rows: Any = None, scale: float = 1.0, row_lo: int = 0) -> None:

@@ -21,7 +21,6 @@ ALL_TYPES = QUANT_TYPES + FLOAT_WEIGHTS
 PER_TYPE = {
     "matvec": ("matvec", FLOAT_WEIGHTS),  # quantized weights have shaped() and stream() products
     "matvec_glu": ("matvec", FLOAT_WEIGHTS),
-    "moe_router": ("matvec", FLOAT_WEIGHTS),
     "matvec_glu_q8": ("matvec", QUANT_TYPES),
     "moe_gate_up": ("matvec", ALL_TYPES),
     "moe_down": ("matvec", ALL_TYPES),

@@ -312,14 +312,13 @@ FOR_EACH_FLOAT(MATVEC_F)
 // Mixture-of-experts routing (engine/backend.py moe_route) of one token by one warp: p = softmax of the router
 // logits `row` in float32, the top_k experts by p (highest first, ties: lower id), their p divided by the picked sum
 // when normalize. p: the warp's shared scratch of n_experts floats; taken entries are set to -1 (below any
-// probability); an id stays in range even for NaN logits. The logits are read through L2 (__ldcg): in moe_router
-// other blocks of the same launch wrote them.
+// probability); an id stays in range even for NaN logits.
 __device__ __forceinline__ void route_token(const float* row, int n_experts, int top_k, int normalize, float* p,
                                             float* __restrict__ weights_out, int* __restrict__ ids_out) {
     const int lane = threadIdx.x & 31;
     float m = NEG_INF;
     for (int i = lane; i < n_experts; i += 32) {
-        p[i] = __ldcg(row + i);
+        p[i] = row[i];
         m = fmaxf(m, p[i]);
     }
     m = warp_max(m);
@@ -368,30 +367,6 @@ extern "C" __global__ void moe_route(const float* __restrict__ logits, long stri
     route_token(logits + token * stride, n_experts, top_k, normalize, shared + threadIdx.x / 32 * n_experts,
                 weights_out + token * top_k, ids_out + token * top_k);
 }
-
-// A decode step's router product and its routing in one launch: matvec's float product (rows m: the experts' and,
-// for a shared expert's gate, one more) into logits, then the last block to finish (counted in done, left at zero
-// for the next launch) routes the token on the first n_experts logits. One launch and one wait fewer than
-// matvec_<type> then moe_route.
-#define MOE_ROUTER(name, W)                                                                                    \
-    extern "C" __global__ void moe_router_##name(const W::T* w, const float* x, float* logits, int m, int k,    \
-                                                 int n_experts, int top_k, int normalize, u32* done,           \
-                                                 float* weights_out, int* ids_out) {                           \
-        extern __shared__ float shared[];                                                                      \
-        __shared__ bool last;                                                                                  \
-        grid_dependency_sync();                                                                                \
-        const W::T* ws[1] = {w};                                                                               \
-        matvec_f<W, 1>(ws, x, logits, m, k, 0);                                                                \
-        __threadfence();                                                                                       \
-        __syncthreads();                                                                                       \
-        if (threadIdx.x == 0) {                                                                                \
-            last = atomicAdd(done, 1u) == gridDim.x - 1;                                                       \
-            if (last) *done = 0;                                                                               \
-        }                                                                                                      \
-        __syncthreads();                                                                                       \
-        if (last && threadIdx.x < 32) route_token(logits, n_experts, top_k, normalize, shared, weights_out, ids_out); \
-    }
-FOR_EACH_FLOAT(MOE_ROUTER)
 
 // Mixture of experts: each token's chosen experts only, read from the stacked ffn_*_exps tensors, where expert
 // e's matrix is rows [e * rows_per_expert, (e + 1) * rows_per_expert) of one (n_experts * rows, k) weight. The
