@@ -172,7 +172,7 @@ def main() -> None:
                   flush=True)
         if phased:
             print(json.dumps({**shape, "kernel": N.DEEP_PHASED, "depth": depth, "layers": args.layers,
-                              **timeline(phased, kv, K.deep_decode_splits(max_tokens, kv, hd), args.reps)}), flush=True)
+                              **timeline(phased, args.reps)}), flush=True)
 
 
 def cycling(launches: list):
@@ -181,13 +181,20 @@ def cycling(launches: list):
     return lambda: next(turn)()
 
 
-def timeline(launches: list, n_kv: int, splits: int, reps: int) -> dict:
-    """The phased deep kernel's blocks in the last launch of a replayed graph (bench_attention's --phases)."""
-    phases = 8  # attention.cu DEEP_PHASES
-    record = cupy.ndarray((n_kv * splits, 2, phases), cupy.uint64,
+def deep_record():
+    """The phased deep kernel's record (kernel_names.DEEP_PHASED, attention.cu deep_phases), zeroed before any
+    stream's next launch: per block (a KV head's MAX_SPLITS rows, 16 KV heads), the global timer then the SM clock
+    at each of its 8 phases."""
+    record = cupy.ndarray((K.MAX_SPLITS * 16, 2, 8), cupy.uint64,
                           K.module("attention", sweep=True).get_global("deep_phases"))
-    record.fill(0)  # blocks past the active splits record nothing
-    graph_us(cycling(launches), reps)
+    record.fill(0)
+    cupy.cuda.Device().synchronize()
+    return record
+
+
+def deep_timeline(record) -> dict:
+    """The timeline of the blocks of the last phased launch that wrote `record` (zeroed before it: blocks past the
+    active splits record nothing)."""
     cupy.cuda.Device().synchronize()
     raw = record.get().astype(np.int64)
     ns, clocks = raw[:, 0], raw[:, 1]
@@ -201,6 +208,14 @@ def timeline(launches: list, n_kv: int, splits: int, reps: int) -> dict:
             "since_entry_us_latest": [round(float(x), 2) for x in since.max(axis=0)],
             "phase_us_median": [round(float(x), 2) for x in np.median(own, axis=0)],
             "phase_us_longest": [round(float(x), 2) for x in own.max(axis=0)]}
+
+
+def timeline(launches: list, reps: int) -> dict:
+    """The phased deep kernel's blocks in the last launch of a replayed graph (bench_attention's --phases)."""
+    record = deep_record()
+    graph_us(cycling(launches), reps)
+    return deep_timeline(record)
+
 
 if __name__ == "__main__":
     main()

@@ -6,13 +6,18 @@ the step's busy span (first kernel start to last kernel end), and per step for e
 first) and in total: launches; microseconds from start to end (with programmatic launches that includes waiting
 for the kernel before); critical microseconds, the part of the span it alone accounts for (past the end of every
 kernel before it); and microseconds the GPU idled before it. Critical and idle times sum to the span.
+--deep-phases (a step deep enough for attention_decode_deep, heads of 128, fp16 cache) runs the deep kernel's phased
+copy (kernel_names.DEEP_PHASED) in the graph and adds the last layer's attention timeline of one more step, as
+bench_attention.py --phases gives it for the kernel alone ("deep_phases").
 
 Usage: python bench/profile_decode.py MODEL.gguf [--prompt 512] [--reps 20] [--experts-in-ram N] [--top 25]
+       [--deep-phases]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from collections import defaultdict
@@ -76,7 +81,12 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--experts-in-ram", type=int, default=0)
     parser.add_argument("--top", type=int, default=25, help="kernels listed (the rest are summed as 'other')")
+    parser.add_argument("--deep-phases", action="store_true", help="the deep attention kernel's timeline in the model")
     args = parser.parse_args()
+    if args.deep_phases:  # the backend looks the launcher up at each capture
+        from engine.kernels import cuda
+
+        cuda.attention_decode_deep = functools.partial(cuda.attention_decode_deep, phased=True)
     model = load_model(args.model, device="cuda", context_length=args.prompt + 64,
                        expert_layers_in_ram=args.experts_in_ram)
     state = model._state
@@ -84,6 +94,13 @@ def main() -> None:
     prefill(state, prompt)
     step_ms = graph_step_ms(state)
     totals, span_us = kernel_times(state, args.reps)
+    phases = {}
+    if args.deep_phases:
+        from bench.bench_attention import deep_record, deep_timeline
+
+        record = deep_record()
+        state.decode_step(len(state.cached))
+        phases = {"deep_phases": deep_timeline(record)}
     fields = ("launches", "us", "critical_us", "idle_before_us")
     per_step = sorted(([name, *(v / args.reps for v in values)] for name, values in totals.items()),
                       key=lambda row: -row[3])
@@ -95,7 +112,7 @@ def main() -> None:
     print(json.dumps({
         "model": model.info.name, "file": args.model.name, "gpu": gpu_name(), "depth": args.prompt,
         "experts_in_ram": args.experts_in_ram, "gpu_ms_per_decode_step": step_ms, "busy_span_us": round(span_us, 1),
-        "per_step": total, "kernels": listed,
+        "per_step": total, "kernels": listed, **phases,
     }), flush=True)
     model.close()
 

@@ -640,6 +640,8 @@ def attention_decode_split(q, k, v, cos, sin, neox: bool, k_cache, v_cache, star
 def _deep_kernel(hd: int, tiles: tuple[int, int], kv: str = "full", phased: bool = False) -> tuple[str, int, int]:
     """(name, dynamic shared bytes, blocks a multiprocessor holds) of attention_decode_deep with these tiles (or
     its phased sweep copy); the kernel is allowed its shared memory (above the default 48 KB) here, once."""
+    if phased and (hd, tiles, kv) != (128, N.DEEP_TILES[128], "full"):
+        raise ValueError("the phased deep kernel is built for heads of 128, the default tiles and an fp16 cache only")
     name = N.DEEP_PHASED if phased else N.deep_decode(hd, tiles, kv)
     kt, stages = tiles
     tile = kt * (hd + 8) * 2  # keys or values as fp16 rows, padded
