@@ -143,6 +143,7 @@ __device__ __forceinline__ void merge_group_splits(const float* part, u32* done,
                     v[s][r] = s0 + s < active && i < group * HD
                                   ? __ldcg(base + ((long)(i / HD) * n_splits + s0 + s) * ROW + i % HD) : 0.0f;
                 }
+            // (An output past the group weighs its zero value by some head's weight: % 16 keeps the row in range.)
 #pragma unroll
             for (int s = 0; s < MERGE_SPLITS; ++s)
 #pragma unroll
