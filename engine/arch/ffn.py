@@ -80,10 +80,11 @@ class MoeFFN:
         return cls(router, gate, up, down, e.top_k, e.normalize_weights)
 
     @staticmethod
-    def buffers(config: DecoderConfig, backend: Backend, max_chunk: int) -> MoeBuffers:
+    def buffers(config: DecoderConfig, backend: Backend, max_chunk: int, more_logits: int = 0) -> MoeBuffers:
+        """more_logits: columns the router's product has after the experts' (a shared expert's gate)."""
         e = config.moe()
         return MoeBuffers(
-            router_logits=backend.empty((max_chunk, e.count)),
+            router_logits=backend.empty((max_chunk, e.count + more_logits)),
             weights=backend.empty((max_chunk, e.top_k)),
             ids=backend.empty((max_chunk, e.top_k), np.int32),
             scratch=backend.empty((max_chunk, e.top_k, 2 * e.width)),
@@ -132,11 +133,10 @@ class SharedMoeFFN:
 
     @staticmethod
     def buffers(config: DecoderConfig, backend: Backend, max_chunk: int) -> SharedMoeBuffers:
-        routed = MoeFFN.buffers(config, backend, max_chunk)
+        routed = MoeFFN.buffers(config, backend, max_chunk, more_logits=1)
         e = config.moe()
         return SharedMoeBuffers(
-            router_logits=backend.empty((max_chunk, e.count + 1)),
-            **{f: getattr(routed, f) for f in ("weights", "ids", "scratch")},
+            **{f: getattr(routed, f) for f in ("router_logits", "weights", "ids", "scratch")},
             act=backend.empty((max_chunk, e.shared_width)), act_scratch=backend.empty((max_chunk, e.shared_width)),
             shared_out=backend.empty((max_chunk, config.hidden)),
         )
