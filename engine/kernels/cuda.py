@@ -337,7 +337,7 @@ def moe_route(logits: Any, top_k: int, normalize: bool, weights_out: Any, ids_ou
     """Softmax of each row of logits (n, n_experts; rows may be strided), its top_k experts into
     ids_out/weights_out (n, top_k); one warp a token."""
     n, n_experts = logits.shape
-    launch("matvec", "moe_route", (_blocks(n, WARPS),), (32 * WARPS,),
+    launch("sampling", "moe_route", (_blocks(n, WARPS),), (32 * WARPS,),
            (logits, i64(logits.strides[0] // 4), i32(n), i32(n_experts), i32(top_k), i32(1 if normalize else 0),
             weights_out, ids_out),
            shared_mem=4 * WARPS * n_experts)

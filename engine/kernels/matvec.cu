@@ -309,65 +309,6 @@ __device__ __forceinline__ void matvec_f(const typename W::T* const* w, const fl
     }
 FOR_EACH_FLOAT(MATVEC_F)
 
-// Mixture-of-experts routing (engine/backend.py moe_route) of one token by one warp: p = softmax of the router
-// logits `row` in float32, the top_k experts by p (highest first, ties: lower id), their p divided by the picked sum
-// when normalize. p: the warp's shared scratch of n_experts floats; taken entries are set to -1 (below any
-// probability); an id stays in range even for NaN logits.
-__device__ __forceinline__ void route_token(const float* row, int n_experts, int top_k, int normalize, float* p,
-                                            float* __restrict__ weights_out, int* __restrict__ ids_out) {
-    const int lane = threadIdx.x & 31;
-    float m = NEG_INF;
-    for (int i = lane; i < n_experts; i += 32) {
-        p[i] = row[i];
-        m = fmaxf(m, p[i]);
-    }
-    m = warp_max(m);
-    float sum = 0.0f;
-    for (int i = lane; i < n_experts; i += 32) {
-        p[i] = expf(p[i] - m);
-        sum += p[i];
-    }
-    sum = warp_sum(sum);
-    for (int i = lane; i < n_experts; i += 32) p[i] /= sum;
-    __syncwarp();
-    float picked = 0.0f;
-    for (int j = 0; j < top_k; ++j) {
-        float bv = -0.5f;
-        int bi = 0x7FFFFFFF;
-        for (int i = lane; i < n_experts; i += 32)
-            if (better(p[i], i, bv, bi)) { bv = p[i]; bi = i; }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            const float ov = __shfl_xor_sync(0xFFFFFFFFu, bv, o);
-            const int oi = __shfl_xor_sync(0xFFFFFFFFu, bi, o);
-            if (better(ov, oi, bv, bi)) { bv = ov; bi = oi; }
-        }
-        if (bi >= n_experts) bi = j;
-        if (lane == 0) {
-            ids_out[j] = bi;
-            weights_out[j] = p[bi];
-            picked += p[bi];
-            p[bi] = -1.0f;
-        }
-        __syncwarp();
-    }
-    if (lane == 0 && normalize)
-        for (int j = 0; j < top_k; ++j) weights_out[j] /= picked;
-}
-
-// Routing of n_tokens tokens, one warp a token, 4 tokens a block, so no step waits on a block-wide barrier.
-// stride: the logits' row stride (a router whose product also holds the shared expert's gate has a column more).
-extern "C" __global__ void moe_route(const float* __restrict__ logits, long stride, int n_tokens, int n_experts,
-                                     int top_k, int normalize, float* __restrict__ weights_out,
-                                     int* __restrict__ ids_out) {
-    grid_dependency_sync();
-    extern __shared__ float shared[];
-    const long token = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-    if (token >= n_tokens) return;
-    route_token(logits + token * stride, n_experts, top_k, normalize, shared + threadIdx.x / 32 * n_experts,
-                weights_out + token * top_k, ids_out + token * top_k);
-}
-
 // Mixture of experts: each token's chosen experts only, read from the stacked ffn_*_exps tensors, where expert
 // e's matrix is rows [e * rows_per_expert, (e + 1) * rows_per_expert) of one (n_experts * rows, k) weight. The
 // expert ids are read on the device (from moe_route), so a decode step stays one graph with no host sync.

@@ -19,6 +19,9 @@ extern "C" __global__ void repeat_penalty(const float* __restrict__ logits, floa
     out[i] = v;
 }
 
+// (value, id) order: higher value first, then lower id.
+__device__ __forceinline__ bool better(float v, int i, float bv, int bi) { return v > bv || (v == bv && i < bi); }
+
 // Block-wide best (value, id) of the per-thread candidates; every thread gets the result.
 __device__ void block_best(float& v, int& i, float* sv, int* si) {
 #pragma unroll
@@ -196,6 +199,57 @@ extern "C" __global__ void sample_sorted(const float* __restrict__ vals, const i
     }
     const int pick = first_cross(vals, keep, inv_temp, u * kept, false, sh, &found);
     if (threadIdx.x == 0) emit(ids[min(pick, keep - 1)], out_id, feed, position);
+}
+
+// Mixture-of-experts routing (engine/backend.py moe_route), one warp per token, 4 tokens a block, so no step waits
+// on a block-wide barrier: p = softmax of the router logits in float32, the top_k experts by p (highest first, ties:
+// lower id), their p divided by the picked sum when normalize. Taken entries are set to -1 (below any
+// probability); an id stays in range even for NaN logits. stride: the logits' row stride (a router whose product
+// also holds the shared expert's gate has a column more).
+extern "C" __global__ void moe_route(const float* __restrict__ logits, long stride, int n_tokens, int n_experts,
+                                     int top_k, int normalize, float* __restrict__ weights_out,
+                                     int* __restrict__ ids_out) {
+    grid_dependency_sync();
+    extern __shared__ float shared[];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+    const long token = (long)blockIdx.x * (blockDim.x / 32) + warp;
+    if (token >= n_tokens) return;
+    float* p = shared + warp * n_experts;
+    const float* row = logits + token * stride;
+    float m = NEG_INF;
+    for (int i = lane; i < n_experts; i += 32) m = fmaxf(m, row[i]);
+    m = warp_max(m);
+    float sum = 0.0f;
+    for (int i = lane; i < n_experts; i += 32) {
+        p[i] = expf(row[i] - m);
+        sum += p[i];
+    }
+    sum = warp_sum(sum);
+    for (int i = lane; i < n_experts; i += 32) p[i] /= sum;
+    __syncwarp();
+    float picked = 0.0f;
+    for (int j = 0; j < top_k; ++j) {
+        float bv = -0.5f;
+        int bi = 0x7FFFFFFF;
+        for (int i = lane; i < n_experts; i += 32)
+            if (better(p[i], i, bv, bi)) { bv = p[i]; bi = i; }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ov = __shfl_xor_sync(0xFFFFFFFFu, bv, o);
+            const int oi = __shfl_xor_sync(0xFFFFFFFFu, bi, o);
+            if (better(ov, oi, bv, bi)) { bv = ov; bi = oi; }
+        }
+        if (bi >= n_experts) bi = j;
+        if (lane == 0) {
+            ids_out[token * top_k + j] = bi;
+            weights_out[token * top_k + j] = p[bi];
+            picked += p[bi];
+            p[bi] = -1.0f;
+        }
+        __syncwarp();
+    }
+    if (lane == 0 && normalize)
+        for (int j = 0; j < top_k; ++j) weights_out[token * top_k + j] /= picked;
 }
 
 // One token's chosen experts of a layer whose experts live in RAM, some cached on the GPU (engine/expert_cache.py):
