@@ -1,7 +1,8 @@
 # One device call: install the carried wheels, run the GPU tests, then the speed benchmarks.
 # Usage (on the GPU machine, repo root): bash bench/device_run.sh [warm] [tests] [kernels] [shapes] [prompt] [synthetic] [smol]
 #                                        [archs] [memory] [issue5] [flash] [ram] [cache] [moe] [hybrid] [hybridbench] [kvq8]
-#                                        [ring] [moeab] [peer] [s13] [s13b] [s13c] [phases] [ab]
+#                                        [ring] [moeab] [peer] [s13] [s13b] [s13c] [phases] [ab] [files] [gputests]
+#                                        [profile]
 # The GPU machine has no network: .whl/ holds the wheels it lacks (gguf; pydantic and its dependencies, which
 # tests/conftest.py's catalog lookup imports; `pip download` them for Python 3.12), and the SmolLM2 GGUF
 # (98 MB, over one call's 64 MB) travels in two parts, .carry/smol.part00 (copied to /tmp/strata by a first call) and
@@ -29,7 +30,7 @@
 # and the files, it reuses them), then bench_gpu.py for AB_RUNS="shape:prompt ..." with .carry/old's code and this
 # tree's. s13, s13b, s13c: session 13's three calls (below). phases: decode attention's kernels on caches out of L2 and
 # the deep kernel's timeline (ATTN_RUNS); ab: synthetic files (AB_RUNS) through bench_gpu.py for .carry/old and this tree. warm: bench/compile_kernels.py for this tree and
-# .carry/old at once, first in a call whose steps run under time limits (written in session 13, not yet run).
+# .carry/old at once, first in a call whose steps run under time limits. files, gputests, profile: see their lines.
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 STRATA_TEST_CACHE=/tmp/strata
@@ -263,11 +264,27 @@ for part in "$@"; do
       # bench_gpu.py, .carry/old's code and this tree's, in one call.
       for run in ${AB_RUNS}; do
         f=/tmp/strata/synthetic-${run%%:*}.gguf
+        while pgrep -f "make_synthetic_gguf.py $f" >/dev/null; do sleep 2; done  # the files step is writing it
         [ -f $f ] || python3 bench/make_synthetic_gguf.py $f --shape ${run%%:*} --type Q4_K_M > "$OUT/make.log" 2>&1
         for tree in .carry/old .; do
           echo "{\"tree\": \"$tree\"}" >> "$OUT/ab.jsonl"
           (cd $tree && timeout 150 python3 bench/bench_gpu.py $f --prompt ${run#*:} --output 64 --repeats 2) 2>&1 | tee -a "$OUT/ab.jsonl"
         done
+      done ;;
+    files)  # FILES="shape ..." (synthetic, Q4_K_M mix) written in the background, each to .tmp first: later steps wait
+      (for shape in $FILES; do f=/tmp/strata/synthetic-$shape.gguf
+         [ -f $f ] || { python3 bench/make_synthetic_gguf.py $f.tmp --shape $shape --type Q4_K_M >> "$OUT/make.log" 2>&1 && mv $f.tmp $f; }
+       done) & ;;
+    gputests)  # pytest on TESTS (files and options), within TESTS_LIMIT seconds
+      cp .carry/smollm2-tokenizer.gguf /tmp/strata/; [ -d .carry/hybrid ] && cp .carry/hybrid/*.gguf /tmp/strata/
+      eval timeout ${TESTS_LIMIT:-240} python3 -m pytest -q -s -p no:cacheprovider --tb=short -rf "$TESTS" 2>&1 | tee "$OUT/tests.log" \
+        | grep -E "relative error|logit range|passed|failed|Error" ;;
+    profile)  # bench/profile_decode.py for PROFILE_RUNS="shape:depth[:options joined by commas] ..." (synthetic files)
+      for run in $PROFILE_RUNS; do
+        IFS=: read -r shape depth opts <<< "$run"
+        f=/tmp/strata/synthetic-$shape.gguf
+        while [ ! -f $f ]; do sleep 2; done
+        timeout 120 python3 bench/profile_decode.py $f --prompt $depth ${opts//,/ } 2>&1 | grep -v Warn | tee -a "$OUT/profile.jsonl"
       done ;;
     peer)
       llama_build

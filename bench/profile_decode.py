@@ -8,10 +8,12 @@ for the kernel before); critical microseconds, the part of the span it alone acc
 kernel before it); and microseconds the GPU idled before it. Critical and idle times sum to the span.
 --deep-phases (a step deep enough for attention_decode_deep, heads of 128, fp16 cache) runs the deep kernel's phased
 copy (kernel_names.DEEP_PHASED) in the graph and adds the last layer's attention timeline of one more step, as
-bench_attention.py --phases gives it for the kernel alone ("deep_phases").
+bench_attention.py --phases gives it for the kernel alone ("deep_phases"). --carveout P: every kernel prefers P percent
+of its multiprocessor's L1 as shared memory (CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT), so kernels of
+unlike shared memory need not wait for an SM to be reconfigured before they share it.
 
 Usage: python bench/profile_decode.py MODEL.gguf [--prompt 512] [--reps 20] [--experts-in-ram N] [--top 25]
-       [--deep-phases]
+       [--deep-phases] [--carveout P]
 """
 
 from __future__ import annotations
@@ -82,11 +84,22 @@ def main() -> None:
     parser.add_argument("--experts-in-ram", type=int, default=0)
     parser.add_argument("--top", type=int, default=25, help="kernels listed (the rest are summed as 'other')")
     parser.add_argument("--deep-phases", action="store_true", help="the deep attention kernel's timeline in the model")
+    parser.add_argument("--carveout", type=int, help="percent of L1 every kernel prefers as shared memory")
     args = parser.parse_args()
-    if args.deep_phases:  # the backend looks the launcher up at each capture
-        from engine.kernels import cuda
+    from engine.kernels import cuda
 
+    if args.deep_phases:  # the backend looks the launcher up at each capture
         cuda.attention_decode_deep = functools.partial(cuda.attention_decode_deep, phased=True)
+    if args.carveout is not None:
+        fetch = cuda.kernel
+
+        @functools.cache
+        def kernel(module_name: str, name: str):
+            fn = fetch(module_name, name)
+            fn.preferred_shared_memory_carveout = args.carveout
+            return fn
+
+        cuda.kernel = kernel
     model = load_model(args.model, device="cuda", context_length=args.prompt + 64,
                        expert_layers_in_ram=args.experts_in_ram)
     state = model._state
@@ -111,7 +124,7 @@ def main() -> None:
     total = {f: round(sum(row[i] for row in per_step), 1) for i, f in enumerate(fields, 1)}
     print(json.dumps({
         "model": model.info.name, "file": args.model.name, "gpu": gpu_name(), "depth": args.prompt,
-        "experts_in_ram": args.experts_in_ram, "gpu_ms_per_decode_step": step_ms, "busy_span_us": round(span_us, 1),
+        "experts_in_ram": args.experts_in_ram, "carveout": args.carveout, "gpu_ms_per_decode_step": step_ms, "busy_span_us": round(span_us, 1),
         "per_step": total, "kernels": listed, **phases,
     }), flush=True)
     model.close()
