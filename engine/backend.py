@@ -341,40 +341,34 @@ class Backend(Protocol):
 
     # ---- hybrid models' recurrent layers (Gated DeltaNet: qwen35, qwen35moe, qwen3next) --------------
 
-    def causal_conv_silu(self, x: Array, weight: WeightHandle, state: Array, out: Array) -> None:
-        """Causal depthwise convolution with SiLU over a chunk of n tokens, continuing from `state`:
-
-            w = [state; x] (n + K - 1 rows);  out[t, c] = silu(sum_j weight[c, j] * w[t + j, c]);  state = w[-(K - 1):].
-
-        x: (n, channels) float32; weight: (channels, K), GGUF's `ssm_conv1d` ne = [K, channels]; state: (K - 1,
-        channels) float32, the inputs before the chunk (oldest first; zeros at a sequence's start), updated in
-        place; out: (n, channels) float32, must not alias x.
-        """
-
-    def gated_delta_net(
-        self, qkv: Array, ba: Array, dt_bias: WeightHandle, ssm_a: WeightHandle, state: Array, out: Array,
-        n_k_heads: int, tiled: bool,
+    def delta_mixer(
+        self, qkv: Array, z: Array, ba: Array, conv: WeightHandle, conv_state: Array, dt_bias: WeightHandle,
+        ssm_a: WeightHandle, norm: WeightHandle, eps: float, state: Array, mixed: Array, out: Array, n_k_heads: int,
+        tiled: bool,
     ) -> None:
-        """The gated delta rule of a chunk of n tokens, continuing from `state` (H value heads, dk, dv):
+        """A Gated DeltaNet mixer's core over a chunk of n tokens, between its input and output projections,
+        continuing from `conv_state` and `state` (H value heads, dk, dv):
 
-            q, k = L2-normalised (eps 1e-6) query and key heads, q also scaled by dk^-1/2;
-            beta = sigmoid(b), g = ssm_a * softplus(a + dt_bias)   (ssm_a as GGUF stores it: -exp(A_log));
-            per token t and value head h, with S = state[h]:
-                S = exp(g[t, h]) S;  S += k[t, h] (beta[t, h] (v[t, h] - S^T k[t, h]))^T;  o[t, h] = S^T q[t, h].
+          1. causal depthwise convolution with SiLU, from the inputs before the chunk:
+               w = [conv_state; qkv] (n + K - 1 rows);  mixed[t, c] = silu(sum_j conv[c, j] w[t + j, c]);
+               conv_state = w[-(K - 1):];
+          2. the gated delta rule on mixed's heads:
+               q, k = L2-normalised (eps 1e-6) query and key heads, q also scaled by dk^-1/2;
+               beta = sigmoid(b), g = ssm_a * softplus(a + dt_bias)   (ssm_a as GGUF stores it: -exp(A_log));
+               per token t and value head h, with S = state[h]:
+                 S = exp(g[t, h]) S;  S += k[t, h] (beta[t, h] (v[t, h] - S^T k[t, h]))^T;  o[t, h] = S^T q[t, h];
+          3. out[t, h] = rms_norm(o[t, h]) * norm * silu(z[t, h])   (eps `eps`).
 
-        qkv: (n, 2 n_k_heads dk + H dv) float32, the convolved projection: n_k_heads query heads, as many key heads,
-        then H value heads; value head h reads key head h % n_k_heads when `tiled` (llama.cpp's qwen35 files order
-        them so), else h // (H / n_k_heads) (qwen3next files). ba: (n, 2 H) float32, b (beta logits) then a (decay
-        logits); dt_bias, ssm_a: (H,); state: (H, dk, dv) float32, zeros at a sequence's start, updated in place;
-        out: (n, H dv) float32, head-major. Accumulation in float32; a backend may run one token at a time or whole
-        chunks (engine/kernels/reference.py has both forms, which agree to float32 rounding; the GPU's chunked form
-        takes fp16 operands in its products, about 3e-4 relative).
-        """
-
-    def gated_rms_norm(self, x: Array, gate: Array, weight: WeightHandle, eps: float, out: Array) -> None:
-        """out = rms_norm(x) * weight * silu(gate) over the last axis (the DeltaNet output norm).
-
-        x, gate: (..., d) float32, e.g. (n, heads, d); weight: (d,); out: like x, may be x itself.
+        qkv: (n, conv_dim) float32, conv_dim = 2 n_k_heads dk + H dv: n_k_heads query heads, as many key heads, then H
+        value heads; value head h reads key head h % n_k_heads when `tiled` (llama.cpp's qwen35 files order them so),
+        else h // (H / n_k_heads) (qwen3next files). z: (n, H dv); ba: (n, 2 H), b (beta logits) then a (decay
+        logits); qkv, z and ba may be column views of one projection. conv: (conv_dim, K), GGUF's `ssm_conv1d` ne =
+        [K, conv_dim]; conv_state: (K - 1, conv_dim) float32, oldest first, zeros at a sequence's start; dt_bias, ssm_a:
+        (H,); norm: (dv,); state: (H, dk, dv) float32, zeros at a sequence's start; both states updated in place.
+        mixed: (n, conv_dim) float32 scratch (a backend may leave it unwritten); out: (n, H dv) float32, head-major.
+        Accumulation in float32; a backend may run the delta rule one token at a time or in whole chunks
+        (engine/kernels/reference.py has both forms, which agree to float32 rounding; the GPU's chunked form takes
+        fp16 operands in its products, about 3e-4 relative).
         """
 
     def sigmoid_gate(self, x: Array, gate: Array, out: Array, accumulate: bool = False) -> None:

@@ -508,30 +508,31 @@ class CupyBackend:
 
     # ---- hybrid models' recurrent layers ----
 
-    @_op("state", "out")
-    def causal_conv_silu(self, x, weight: K.GpuWeight, state, out) -> None:
-        if weight.qtype != quants.T.F32 or weight.shape[1] != K.CONV_KERNEL:
-            raise EngineError(f"The GPU backend runs float32 convolutions of width {K.CONV_KERNEL}, not {weight.name} "
-                              f"({weight.qtype.name}, {weight.shape}). Run this model on the CPU with device='cpu'.")
-        K.causal_conv_silu(x, weight.data, state, out)
-
-    @_op("state", "out")
-    def gated_delta_net(self, qkv, ba, dt_bias: K.GpuWeight, ssm_a: K.GpuWeight, state, out, n_k_heads: int,
-                        tiled: bool) -> None:
+    @_op("conv_state", "state", "mixed", "out")
+    def delta_mixer(self, qkv, z, ba, conv: K.GpuWeight, conv_state, dt_bias: K.GpuWeight, ssm_a: K.GpuWeight,
+                    norm: K.GpuWeight, eps: float, state, mixed, out, n_k_heads: int, tiled: bool) -> None:
+        if conv.qtype != quants.T.F32 or conv.shape[1] != K.CONV_KERNEL:
+            raise EngineError(f"The GPU backend runs float32 convolutions of width {K.CONV_KERNEL}, not {conv.name} "
+                              f"({conv.qtype.name}, {conv.shape}). Run this model on the CPU with device='cpu'.")
         if state.shape[1] not in N_DELTA_KEY_DIMS:
             raise EngineError(f"The GPU backend's delta rule takes key heads of {', '.join(map(str, N_DELTA_KEY_DIMS))}"
                               f" values, not {state.shape[1]}. Run this model on the CPU with device='cpu'.")
         n, (n_v, dk, dv) = qkv.shape[0], state.shape
-        if not K.delta_chunked(n, dk, dv):
-            K.gated_delta_net(qkv, ba, dt_bias.data, ssm_a.data, state, out, n_k_heads, tiled)
+        if n == 1:
+            done = self._decode_buffer("delta_done", n_k_heads, cupy.uint32, zeroed=True)
+            q8 = self._quantize_output(out) if dv % 32 == 0 else None
+            K.delta_step(qkv, z, ba, conv.data, conv_state, dt_bias.data, ssm_a.data, norm.data, eps, state, out,
+                         n_k_heads, tiled, done, q8)
             return
-        scratch = tuple(self._buffer(f"delta_{name}", int(np.prod(shape)), dtype).reshape(shape) for name, shape, dtype
-                        in zip(("u", "wqk", "p", "last"), delta_chunk_scratch(n, n_v, dk, dv), DELTA_CHUNK_SCRATCH_TYPES))
-        K.gated_delta_net_chunked(qkv, ba, dt_bias.data, ssm_a.data, state, out, n_k_heads, tiled, scratch)
-
-    @_op("out")
-    def gated_rms_norm(self, x, gate, weight: K.GpuWeight, eps: float, out) -> None:
-        K.gated_rms_norm(x, gate, weight.data, eps, out)
+        K.causal_conv_silu(qkv, conv.data, conv_state, mixed)
+        if K.delta_chunked(n, dk, dv):
+            scratch = tuple(self._buffer(f"delta_{name}", int(np.prod(shape)), dtype).reshape(shape) for name, shape, dtype
+                            in zip(("u", "wqk", "p", "last"), delta_chunk_scratch(n, n_v, dk, dv), DELTA_CHUNK_SCRATCH_TYPES))
+            K.gated_delta_net_chunked(mixed, ba, dt_bias.data, ssm_a.data, state, out, n_k_heads, tiled, scratch)
+        else:
+            K.gated_delta_net(mixed, ba, dt_bias.data, ssm_a.data, state, out, n_k_heads, tiled)
+        heads = out.reshape(n, n_v, dv)
+        K.gated_rms_norm(heads, z.reshape(n, n_v, dv), norm.data, eps, heads)
 
     @_op("out")
     def sigmoid_gate(self, x, gate, out, accumulate: bool = False) -> None:

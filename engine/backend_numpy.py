@@ -155,15 +155,10 @@ class NumpyBackend:
             kc, vc = reference.dequantize_q8_0(kc, ks[:, rows]), reference.dequantize_q8_0(vc, vs[:, rows])
         reference.attention(q, kc, vc, p - first, out, scale, window)
 
-    def causal_conv_silu(self, x, weight: CpuWeight, state, out) -> None:
-        reference.causal_conv_silu(x, weight.dense, state, out)
-
-    def gated_delta_net(self, qkv, ba, dt_bias: CpuWeight, ssm_a: CpuWeight, state, out, n_k_heads: int,
-                        tiled: bool) -> None:
-        reference.gated_delta_net(qkv, ba, dt_bias.dense, ssm_a.dense, state, out, n_k_heads, tiled)
-
-    def gated_rms_norm(self, x, gate, weight: CpuWeight, eps: float, out) -> None:
-        reference.gated_rms_norm(x, gate, weight.dense, eps, out)
+    def delta_mixer(self, qkv, z, ba, conv: CpuWeight, conv_state, dt_bias: CpuWeight, ssm_a: CpuWeight,
+                    norm: CpuWeight, eps: float, state, mixed, out, n_k_heads: int, tiled: bool) -> None:
+        reference.delta_mixer(qkv, z, ba, conv.dense, conv_state, dt_bias.dense, ssm_a.dense, norm.dense, eps, state,
+                              mixed, out, n_k_heads, tiled)
 
     def sigmoid_gate(self, x, gate, out, accumulate: bool = False) -> None:
         reference.sigmoid_gate(x, gate, out, accumulate)

@@ -33,6 +33,7 @@ pytestmark = pytest.mark.gpu
 
 from engine.backend_cupy import CupyBackend  # noqa: E402  (needs CuPy)
 from engine.kernels import cuda as K  # noqa: E402  (needs CuPy)
+from engine.kernels import kernel_names as N  # noqa: E402
 
 
 def f32(backend, name, values):
@@ -60,7 +61,8 @@ def test_causal_conv_silu(n):
     with backend.stream:
         dev_state = cp.asarray(state)
         out = cp.full((n, channels), np.nan, cp.float32)
-    backend.causal_conv_silu(wide(backend, x), f32(backend, "conv", w), dev_state, out)
+    with backend.stream:
+        K.causal_conv_silu(wide(backend, x), cp.asarray(w), dev_state, out)
     want = np.empty_like(x)
     reference.causal_conv_silu(x, w, state, want)
     assert rel(backend.to_host(out), want) < 1e-5
@@ -82,14 +84,15 @@ def check_delta_rule(n, dk, dv, tiled, chunked):
     with backend.stream:
         dev_state = cp.asarray(state)
         out = cp.full((n, n_v * dv), np.nan, cp.float32)
-    args = (wide(backend, qkv), wide(backend, ba, 3), f32(backend, "dt", dt_bias), f32(backend, "a", ssm_a), dev_state,
-            out, n_k, tiled)
-    if chunked:
-        assert K.delta_chunked(n, dk, dv)
-        backend.gated_delta_net(*args)
-    else:
-        with backend.stream:
-            K.gated_delta_net(*args[:2], args[2].data, args[3].data, *args[4:])
+    args = (wide(backend, qkv), wide(backend, ba, 3), cp.asarray(dt_bias), cp.asarray(ssm_a), dev_state, out, n_k, tiled)
+    with backend.stream:
+        if chunked:
+            assert K.delta_chunked(n, dk, dv)
+            scratch = tuple(cp.empty(shape, dtype) for shape, dtype
+                            in zip(N.delta_chunk_scratch(n, n_v, dk, dv), N.DELTA_CHUNK_SCRATCH_TYPES))
+            K.gated_delta_net_chunked(*args, scratch)
+        else:
+            K.gated_delta_net(*args)
     want = np.empty((n, n_v * dv), np.float32)
     reference.gated_delta_net(qkv, ba, dt_bias, ssm_a, state, want, n_k, tiled)
     error, state_error = rel(backend.to_host(out), want), rel(backend.to_host(dev_state), state)
@@ -125,7 +128,8 @@ def test_gated_rms_norm_and_sigmoid_gates():
     w = rng.standard_normal(d).astype(np.float32)
     with backend.stream:
         dev_x = cp.asarray(x)
-    backend.gated_rms_norm(dev_x, wide(backend, gate).reshape(n, heads, d), f32(backend, "norm", w), 1e-6, dev_x)
+    with backend.stream:
+        K.gated_rms_norm(dev_x, wide(backend, gate).reshape(n, heads, d), cp.asarray(w), 1e-6, dev_x)
     want = np.empty_like(x)
     reference.gated_rms_norm(x, gate.reshape(n, heads, d), w, 1e-6, want)
     assert rel(backend.to_host(dev_x), want) < 1e-5
@@ -141,6 +145,55 @@ def test_gated_rms_norm_and_sigmoid_gates():
         expected = start.copy()
         reference.sigmoid_gate(y, g, expected, accumulate)
         assert rel(backend.to_host(out), expected) < 1e-5, (gate_cols, accumulate)
+    backend.close()
+
+
+@pytest.mark.parametrize("n", [1, 150])
+@pytest.mark.parametrize("dk,dv,n_k,n_v,tiled", [(16, 32, 2, 2, True), (64, 64, 2, 4, False), (128, 128, 2, 6, True),
+                                                 (128, 64, 4, 8, False), (32, 96, 1, 3, True)])
+def test_delta_mixer(n, dk, dv, n_k, n_v, tiled):
+    """The mixer's core (Backend.delta_mixer) on column views of one projection, twice in a row from random states
+    (the second launch finds the key heads' counters left at zero): one token in one launch (delta_step, with the
+    int8 groups of its output when dv is a multiple of 32, equal to quantize_q8's of that output), a chunk by the
+    three kernels. Relative error under 1e-4 of outputs and both states (2e-3 where the chunk takes the tensor-core
+    form)."""
+    rng = np.random.default_rng()
+    backend = CupyBackend()
+    conv_dim, value_dim = 2 * n_k * dk + n_v * dv, n_v * dv
+    conv = (rng.standard_normal((conv_dim, 4)) * 0.5).astype(np.float32)
+    dt_bias = rng.standard_normal(n_v).astype(np.float32)
+    ssm_a = -np.exp(rng.standard_normal(n_v)).astype(np.float32)
+    norm = rng.standard_normal(dv).astype(np.float32)
+    conv_state = rng.standard_normal((3, conv_dim)).astype(np.float32)
+    state = (rng.standard_normal((n_v, dk, dv)) * 0.1).astype(np.float32)
+    weights = [f32(backend, name, x) for name, x in (("conv", conv), ("dt", dt_bias), ("a", ssm_a), ("norm", norm))]
+    f32(backend, "out", np.zeros((2, value_dim)))  # as the output projection, it sizes the int8 sets it will read
+    with backend.stream:
+        dev_conv_state, dev_state = cp.asarray(conv_state), cp.asarray(state)
+        mixed, out = cp.empty((n, conv_dim), cp.float32), cp.full((n, value_dim), np.nan, cp.float32)
+    bound = 2e-3 if K.delta_chunked(n, dk, dv) else 1e-4
+    for turn in range(2):
+        proj = rng.standard_normal((n, conv_dim + value_dim + 2 * n_v)).astype(np.float32)
+        dev_proj = wide(backend, proj, 5)
+        parts = (dev_proj[:, :conv_dim], dev_proj[:, conv_dim : conv_dim + value_dim], dev_proj[:, conv_dim + value_dim :])
+        backend.delta_mixer(*parts, weights[0], dev_conv_state, weights[1], weights[2], weights[3], 1e-6, dev_state,
+                            mixed, out, n_k, tiled)
+        want = np.empty((n, value_dim), np.float32)
+        reference.delta_mixer(proj[:, :conv_dim], proj[:, conv_dim : conv_dim + value_dim], proj[:, conv_dim + value_dim :],
+                              conv, conv_state, dt_bias, ssm_a, norm, 1e-6, state, np.empty((n, conv_dim), np.float32),
+                              want, n_k, tiled)
+        got = backend.to_host(out)
+        errors = rel(got, want), rel(backend.to_host(dev_conv_state), conv_state), rel(backend.to_host(dev_state), state)
+        print(f"delta mixer n={n} dk={dk} dv={dv} heads {n_k}/{n_v} turn {turn}: relative error {errors[0]:.2e}, "
+              f"states {errors[1]:.2e} {errors[2]:.2e}")
+        assert max(errors) < bound, errors
+        if n == 1 and dv % 32 == 0:
+            held = backend._quantized_input(out)  # the groups delta_step wrote (fresh: nothing quantizes here)
+            with backend.stream:
+                again = K.Q8.empty(value_dim)
+                K.quantize_q8(out, again)
+            for a, b in zip(held.args(), again.args()):
+                assert (a[: len(b)].get() == b.get()).all()
     backend.close()
 
 

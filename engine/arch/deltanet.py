@@ -86,7 +86,7 @@ def mixer_block(
     tiled: bool, eps: float,
 ) -> None:
     """From the normed input h (n, hidden) to the mixer's output in `out` (n, hidden), advancing the layer's
-    conv_state (kernel - 1, conv_dim) and ssm_state (n_v, dk, dv). proj: (n, conv_dim + 2 n_v dv + 2 n_v),
+    conv_state (kernel - 1, conv_dim) and ssm_state (n_v, dk, dv). proj: (n, conv_dim + n_v dv + 2 n_v),
     mixed: (n, conv_dim) and core: (n, n_v dv) are working buffers."""
     b = w.bounds
     if len(w.in_proj) == 1:
@@ -94,12 +94,8 @@ def mixer_block(
     else:
         for weight, lo, hi in zip(w.in_proj, b, b[1:]):
             backend.linear(h, weight, proj[:, lo:hi])
-    n = h.shape[0]
-    n_v, dv = ssm_state.shape[0], ssm_state.shape[2]
-    backend.causal_conv_silu(proj[:, : b[1]], w.conv, conv_state, mixed)
-    backend.gated_delta_net(mixed, proj[:, b[2] : b[3]], w.dt_bias, w.ssm_a, ssm_state, core, n_k_heads, tiled)
-    heads = core.reshape(n, n_v, dv)
-    backend.gated_rms_norm(heads, proj[:, b[1] : b[2]].reshape(n, n_v, dv), w.norm, eps, heads)
+    backend.delta_mixer(proj[:, : b[1]], proj[:, b[1] : b[2]], proj[:, b[2] : b[3]], w.conv, conv_state, w.dt_bias,
+                        w.ssm_a, w.norm, eps, ssm_state, mixed, core, n_k_heads, tiled)
     backend.linear(core, w.out, out)
 
 

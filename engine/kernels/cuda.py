@@ -792,6 +792,18 @@ def gated_delta_net(qkv: Any, ba: Any, dt_bias: Any, ssm_a: Any, state: Any, out
             i64(out.strides[0] // 4), i32(n), i32(n_k), i32(n_v), i32(dv), i32(1 if tiled else 0)))
 
 
+def delta_step(qkv: Any, z: Any, ba: Any, conv_w: Any, conv_state: Any, dt_bias: Any, ssm_a: Any, norm_w: Any,
+               eps: float, state: Any, out: Any, n_k: int, tiled: bool, done: Any, q8: Q8 | None = None) -> None:
+    """One token through causal_conv_silu, gated_delta_net and gated_rms_norm in one launch: qkv (conv_dim,), z
+    (H dv,), ba (2 H,) the projection's parts; conv_w (conv_dim, CONV_KERNEL); conv_state (CONV_KERNEL - 1,
+    conv_dim); state (H, dk, dv); out (H dv,) the normed output, with q8 (dv a multiple of 32) also its int8 groups;
+    done = counters(n_k)."""
+    n_v, dk, dv = state.shape
+    launch("hybrid", N.delta_step(dk), (n_v,), (32 * _blocks(max(dk, dv), 32),),
+           (qkv, z, ba, conv_w, conv_state, dt_bias, ssm_a, norm_w, f32(eps), state, out, i32(n_k), i32(n_v), i32(dv),
+            i32(1 if tiled else 0), done, *q8_args(q8)))
+
+
 DELTA_COLUMNS = 32  # state columns a block of delta_chunk_state (hybrid.cu DCOLS)
 # Fewer tokens go token by token: on an H100 at the Qwen3.6-35B-A3B shape 16 tokens took 39.4 us that way against
 # 67.7 chunked, 32 tokens 70.0 against 52.4 (bench/gpu_kernels.py delta).

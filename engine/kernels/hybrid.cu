@@ -129,6 +129,126 @@ DELTA_RULE(32)
 DELTA_RULE(64)
 DELTA_RULE(128)
 
+// Channel c's causal convolution for one token: silu(sum_j w[c, j] window[j]) over the window [old; x], old being
+// the K - 1 earlier inputs the state holds (loaded by the caller: they can be read before the inputs are ready).
+template <int K>
+__device__ __forceinline__ float conv_token(float x, const float* __restrict__ w, long c, const float (&old)[K - 1]) {
+    float acc = x * w[c * K + K - 1];
+#pragma unroll
+    for (int j = 0; j < K - 1; ++j) acc += old[j] * w[c * K + j];
+    return act_silu(acc);
+}
+
+// The convolution state's column c after a token x: the window shifted by one.
+template <int K>
+__device__ __forceinline__ void conv_store(float* state, long c, int channels, const float (&old)[K - 1], float x) {
+#pragma unroll
+    for (int j = 0; j < K - 2; ++j) state[j * (long)channels + c] = old[j + 1];
+    state[(K - 2) * (long)channels + c] = x;
+}
+
+// One token of the mixer's core in one launch (decode): causal_conv_silu, the delta rule and gated_rms_norm above,
+// for n = 1. A block per value head h, thread i: the convolution of its key head's query and key channel i and of
+// its own value channel i, the delta rule's step on state column i, and the gated RMS norm of the head's output
+// (out = rms_norm(o) * norm_w * silu(z)); with xq it also writes out's int8 groups for the output projection. The
+// state, the convolution's window and the weights are read before grid_dependency_sync (only this kernel writes the
+// states, a step earlier). Every block of a key head convolves its query and key; the last of them to count itself
+// in done[kh] (zero before, left at zero) stores those channels' window, after every one of them has read it.
+template <int DK, int K>
+__device__ __forceinline__ void delta_step(const float* __restrict__ qkv, const float* __restrict__ z,
+                                           const float* __restrict__ ba, const float* __restrict__ conv_w,
+                                           float* conv_state, const float* __restrict__ dt_bias,
+                                           const float* __restrict__ ssm_a, const float* __restrict__ norm_w,
+                                           float eps, float* state, float* __restrict__ out, int n_k, int n_v,
+                                           int dv, int tiled, u32* done, signed char* xq, signed char* xq2,
+                                           float2* xds) {
+    __shared__ float qs[DK], ks[DK], red[32];
+    __shared__ bool last;
+    const int h = blockIdx.x, i = threadIdx.x;
+    const int kh = tiled ? h % n_k : h / (n_v / n_k);
+    const int channels = 2 * n_k * DK + n_v * dv;
+    const long cq = (long)kh * DK + i, ck = (long)(n_k + kh) * DK + i, cv = 2L * n_k * DK + (long)h * dv + i;
+    const bool keyed = i < DK, owner = i < dv;
+    float* st = state + (long)h * DK * dv + i;
+    float S[DK], old_q[K - 1] = {}, old_k[K - 1] = {}, old_v[K - 1] = {};
+#pragma unroll
+    for (int j = 0; j < DK; ++j) S[j] = owner ? st[(long)j * dv] : 0.0f;
+#pragma unroll
+    for (int j = 0; j < K - 1; ++j) {
+        if (keyed) {
+            old_q[j] = conv_state[j * (long)channels + cq];
+            old_k[j] = conv_state[j * (long)channels + ck];
+        }
+        if (owner) old_v[j] = conv_state[j * (long)channels + cv];
+    }
+    grid_dependency_sync();
+
+    float q = 0.0f, k = 0.0f, v = 0.0f;
+    if (keyed) {
+        q = conv_token<K>(qkv[cq], conv_w, cq, old_q);
+        k = conv_token<K>(qkv[ck], conv_w, ck, old_k);
+        qs[i] = q;
+        ks[i] = k;
+    }
+    if (owner) {
+        const float x = qkv[cv];
+        v = conv_token<K>(x, conv_w, cv, old_v);
+        conv_store<K>(conv_state, cv, channels, old_v, x);
+    }
+    const float nq = block_sum(q * q, red), nk = block_sum(k * k, red);  // its barriers publish qs and ks
+    if (i == 0) {
+        __threadfence();  // this block's reads of the window come before its count
+        last = atomicAdd(&done[kh], 1u) == (u32)(n_v / n_k - 1);
+        if (last) done[kh] = 0;
+    }
+    __syncthreads();
+    if (last && keyed) {
+        conv_store<K>(conv_state, cq, channels, old_q, qkv[cq]);
+        conv_store<K>(conv_state, ck, channels, old_k, qkv[ck]);
+    }
+
+    const float rq = rsqrtf(nq + 1e-6f) * rsqrtf((float)DK), rk = rsqrtf(nk + 1e-6f);
+    const float2 gates = delta_gates(ba[h], ba[n_v + h], dt_bias[h], ssm_a[h]);
+    const float decay = expf(gates.y);
+    float skv = 0.0f;
+#pragma unroll
+    for (int j = 0; j < DK; ++j) {
+        S[j] *= decay;
+        skv += S[j] * ks[j];
+    }
+    const float delta = gates.x * (v - skv * rk) * rk;  // times rk once more: the update's k is normalised too
+    float o = 0.0f;
+#pragma unroll
+    for (int j = 0; j < DK; ++j) {
+        S[j] += ks[j] * delta;
+        o += S[j] * qs[j];
+    }
+    if (owner) {
+#pragma unroll
+        for (int j = 0; j < DK; ++j) st[(long)j * dv] = S[j];
+    }
+    o = owner ? o * rq : 0.0f;
+    const float inv = rsqrtf(block_sum(o * o, red) / (float)dv + eps);
+    if (!owner) return;  // whole warps when dv is a multiple of 32, as xq needs
+    const long at = (long)h * dv + i;
+    const float y = o * inv * norm_w[i] * act_silu(z[at]);
+    out[at] = y;
+    if (xq != nullptr) quantize_group(y, at / 32, xq, xq2, xds);
+}
+
+#define DELTA_STEP(DK)                                                                                              \
+    extern "C" __global__ void __launch_bounds__(256) delta_step_##DK(                                              \
+        const float* qkv, const float* z, const float* ba, const float* conv_w, float* conv_state,                  \
+        const float* dt_bias, const float* ssm_a, const float* norm_w, float eps, float* state, float* out, int n_k, \
+        int n_v, int dv, int tiled, u32* done, signed char* xq, signed char* xq2, float2* xds) {                    \
+        delta_step<DK, 4>(qkv, z, ba, conv_w, conv_state, dt_bias, ssm_a, norm_w, eps, state, out, n_k, n_v, dv,    \
+                          tiled, done, xq, xq2, xds);                                                               \
+    }
+DELTA_STEP(16)
+DELTA_STEP(32)
+DELTA_STEP(64)
+DELTA_STEP(128)
+
 // ---- the delta rule's chunked form, for prompts (sm_80+: tensor cores) ----
 // engine/kernels/reference.py delta_rule_chunked has the math. delta_chunk_prep, a block per (chunk of DC tokens,
 // value head), all chunks at once: normalised q and k, gamma (the running sum of g inside the chunk), the strictly

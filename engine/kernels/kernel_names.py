@@ -115,6 +115,13 @@ def delta_rule(key_dim: int) -> str:
     return f"gated_delta_net_{key_dim}"
 
 
+def delta_step(key_dim: int) -> str:
+    """The mixer's one-token core in one launch (convolution, delta rule, gated norm)."""
+    if key_dim not in DELTA_KEY_DIMS:
+        raise ValueError(f"the one-token delta mixer has no kernel for key heads of {key_dim}")
+    return f"delta_step_{key_dim}"
+
+
 def delta_chunk(kind: str, key_dim: int) -> str:
     """kind: prep or state."""
     if kind not in ("prep", "state") or key_dim not in DELTA_CHUNK_KEY_DIMS:
@@ -175,7 +182,7 @@ def built(capability: int, sweep: bool = False) -> dict[str, set[str]]:
         add(module, {typed(kind, t) for t in types})
     add("matmul", {grouped(kind, suffix) for kind in GROUPED_KINDS for suffix in _GROUPED_SUFFIXES})
     add("dequant", {dequant(t, half) for t in ALL_TYPES for half in (False, True)})
-    add("hybrid", {delta_rule(dk) for dk in DELTA_KEY_DIMS})
+    add("hybrid", {delta_rule(dk) for dk in DELTA_KEY_DIMS} | {delta_step(dk) for dk in DELTA_KEY_DIMS})
     if capability >= DELTA_CHUNK_OLDEST:
         add("hybrid", {delta_chunk(kind, dk) for kind in ("prep", "state") for dk in DELTA_CHUNK_KEY_DIMS})
     add("rope", {rope_store(kv) for kv in KV_SUFFIX})

@@ -3,17 +3,6 @@
 // (r / inner) * outer_stride + (r % inner) * d, so per-head norms over a (tokens, heads, head_dim) view of a
 // wider projection need no copy.
 
-__device__ __forceinline__ float block_sum(float v, float* red) {
-    v = warp_sum(v);
-    const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, n_warps = blockDim.x / 32;
-    if (lane == 0) red[warp] = v;
-    __syncthreads();
-    v = lane < n_warps ? red[lane] : 0.0f;
-    v = warp_sum(v);
-    __syncthreads();
-    return v;
-}
-
 __device__ __forceinline__ long row_offset(int r, int d, int inner, long outer_stride) {
     return (long)(r / inner) * outer_stride + (long)(r % inner) * d;
 }

@@ -395,6 +395,18 @@ __device__ __forceinline__ float warp_max(float v) {
 #endif
 }
 
+// The sum of v over the block (every thread gets it; red: 32 floats of shared memory).
+__device__ __forceinline__ float block_sum(float v, float* red) {
+    v = warp_sum(v);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, n_warps = blockDim.x / 32;
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    v = lane < n_warps ? red[lane] : 0.0f;
+    v = warp_sum(v);
+    __syncthreads();
+    return v;
+}
+
 __device__ __forceinline__ int warp_sum_int(int v) {
 #if __CUDA_ARCH__ >= 800
     return __reduce_add_sync(0xFFFFFFFFu, v);

@@ -383,6 +383,19 @@ def gated_rms_norm(x: np.ndarray, gate: np.ndarray, weight: np.ndarray, eps: flo
     out *= _silu(gate)
 
 
+def delta_mixer(
+    qkv: np.ndarray, z: np.ndarray, ba: np.ndarray, conv: np.ndarray, conv_state: np.ndarray, dt_bias: np.ndarray,
+    ssm_a: np.ndarray, norm: np.ndarray, eps: float, state: np.ndarray, mixed: np.ndarray, out: np.ndarray,
+    n_k_heads: int, tiled: bool,
+) -> None:
+    """See Backend.delta_mixer: the convolution, the delta rule and the gated norm in turn."""
+    n, (heads, _, dv) = qkv.shape[0], state.shape
+    causal_conv_silu(qkv, conv, conv_state, mixed)
+    gated_delta_net(mixed, ba, dt_bias, ssm_a, state, out, n_k_heads, tiled)
+    normed = out.reshape(n, heads, dv)
+    gated_rms_norm(normed, z.reshape(n, heads, dv), norm, eps, normed)
+
+
 def sigmoid_gate(x: np.ndarray, gate: np.ndarray, out: np.ndarray, accumulate: bool = False) -> None:
     """out = x * sigmoid(gate), or out += that when `accumulate`; gate (n, m) or (n, 1) broadcast over x (n, m)."""
     with np.errstate(over="ignore"):
