@@ -2,7 +2,8 @@
 
 Prints one JSON line per model: model, tensor types, GPU, prompt length, context, prompt tokens/s, output
 tokens/s (the best of --repeats runs, the median beside it), the bandwidth floor of a decode step (bytes of
-weights read per token / 4.3 TB/s) and the fraction of it reached. The prompt is random token ids (speed does
+weights read per token over the memory bandwidth measured here: a 1 GiB device-to-device copy on the GPU, 4.3 TB/s
+on an H200; the host's read bandwidth for the CPU backend) and the fraction of it reached. The prompt is random token ids (speed does
 not depend on them); the output is greedy, made the way a chat makes it (generate.sampled_tokens: picked on the
 GPU, each step queued before the id it feeds comes back to the host), for a fixed number of tokens.
 
@@ -37,7 +38,6 @@ from engine.cpu.weights import CpuWeight  # noqa: E402
 from engine.generate import prefill, sampled_tokens  # noqa: E402
 from engine.sampler import Sampler  # noqa: E402
 
-BANDWIDTH = 4.3e12  # bytes/s, device-to-device copy measured on an H200 (shared/reference/engine-anchors.md)
 GREEDY = GenerationSettings(temperature=0.0).sampling()
 
 
@@ -83,6 +83,24 @@ def rss_parts() -> dict[str, int]:
     fields = dict(line.split(":", 1) for line in status.read_text().splitlines() if ":" in line)
     return {f"process_{key.lower()}_bytes": int(fields[key].split()[0]) * 1024
             for key in ("RssAnon", "RssFile", "RssShmem") if key in fields}
+
+
+def gpu_copy_bytes_per_s(reps: int = 5) -> float:
+    """This GPU's memory bandwidth: bytes read and written a second by a 1 GiB device-to-device copy, the best of
+    `reps` (4.3e12 on an H200, shared/reference/engine-anchors.md)."""
+    import cupy
+
+    a = cupy.empty(2**30, cupy.uint8)
+    b = cupy.empty_like(a)
+    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+    best = float("inf")
+    for _ in range(reps + 1):  # the first copy warms up
+        start.record()
+        cupy.copyto(b, a)
+        end.record()
+        end.synchronize()
+        best = min(best, cupy.cuda.get_elapsed_time(start, end) / 1e3)
+    return 2 * a.nbytes / best
 
 
 def host_read_bytes_per_s(gib: int = 2, reps: int = 5) -> float:
@@ -235,7 +253,8 @@ def run(path: Path, prompt_len: int, output_len: int, device: str, repeats: int,
     gpu_bytes, host_bytes = bytes_per_token(state.weights, state.config.experts and state.config.experts.top_k)
     per_token = gpu_bytes + host_bytes
     output_tps = output_len / output_s
-    floor_tps = BANDWIDTH / per_token
+    bandwidth = gpu_copy_bytes_per_s() if backend.name == "cupy" else host_read_bytes_per_s()
+    floor_tps = bandwidth / per_token
     placement = {}
     if host_bytes and backend.name == "cupy":  # on the CPU backend every weight is a CpuWeight
         import cupy
@@ -244,7 +263,7 @@ def run(path: Path, prompt_len: int, output_len: int, device: str, repeats: int,
         free, total = cupy.cuda.runtime.memGetInfo()
         host_bw = host_read_bytes_per_s()
         # A token's floor: its GPU bytes at the GPU's bandwidth, then its RAM experts at the host's.
-        split_floor = 1 / (gpu_bytes / BANDWIDTH + host_bytes / host_bw)
+        split_floor = 1 / (gpu_bytes / bandwidth + host_bytes / host_bw)
         placement = {
             "expert_layers_in_ram": model.info.expert_layers_in_ram,
             # The cache as the last timed run left it (it fills and adapts over the warm-up and the runs).
@@ -275,6 +294,7 @@ def run(path: Path, prompt_len: int, output_len: int, device: str, repeats: int,
         "repeats": repeats,
         "architecture": model.info.architecture,
         "bytes_per_token": per_token,
+        "floor_bandwidth_gb_per_s": round(bandwidth / 1e9, 1),
         "floor_output_tokens_per_s": round(floor_tps, 1),
         "fraction_of_floor": round(output_tps / floor_tps, 3),
         "gpu_ms_per_decode_step": step_ms,
