@@ -124,7 +124,7 @@ def main() -> None:
     cos, sin = cupy.asarray(np.cos(angles).astype(np.float32)), cupy.asarray(np.sin(angles).astype(np.float32))
     out1 = cupy.empty((1, h * hd), cupy.float32)
     q8 = K.Q8.empty(h * hd)
-    done = K.counters(kv)
+    done = K.counters(2 * kv)  # attention_decode_split's and attention_decode_deep's
     decode, extra = {}, {}  # name -> its launch on each cache
 
     def per_cache(fn, *before, after=(), **kwargs) -> list:
@@ -143,9 +143,11 @@ def main() -> None:
         sweep = N.DEEP_SWEEP.get(hd, ()) if scales is None else ()
         for tiles in (N.DEEP_TILES[hd], *sweep):
             default = K.deep_decode_splits(max_tokens, kv, hd, tiles, args.kv_cache)
-            # The default tiles also at other split counts: fewer partial results for the last block to merge, or
+            # The default tiles also at other split counts (within one wave): fewer partial results to merge, or
             # more blocks reading keys.
-            for splits in sorted({default, *((8, 16, 24, 32) if tiles == N.DEEP_TILES[hd] else ())}):
+            one_wave = K.deep_decode_wave(hd, tiles, args.kv_cache) // kv
+            others = (8, 16, 24, 32) if tiles == N.DEEP_TILES[hd] else ()
+            for splits in sorted({default, *(s for s in others if s <= one_wave)}):
                 part_d = deep_parts.setdefault(splits, cupy.empty(h * splits * (hd + 2), cupy.float32))
                 name = f"attention_decode_deep/kt{tiles[0]}_s{tiles[1]}/{splits}"
                 decode[name] = per_cache(K.attention_decode_deep, q1, k1, v1, cos, sin, True,

@@ -548,12 +548,12 @@ class CupyBackend:
         n, n_heads, hd = q.shape
         n_kv, max_tokens = kc.shape[0], kc.shape[1]
         form = K.decode_attention_form(n_heads, n_kv, max_tokens, self._deep_decode, cache.kind) if n == 1 else None
-        if form in ("deep", "split"):  # blocks of a KV head's whole group and a split of its keys, merged by the last
+        if form in ("deep", "split"):  # blocks of a KV head's whole group and a split of its keys, then merged
             deep = form == "deep"
             splits = (K.deep_decode_splits(max_tokens, n_kv, hd, kv=cache.kind) if deep
                       else K.decode_splits(max_tokens, n_kv))
             part = self._decode_buffer("attn_split_part", n_heads * splits * (hd + 2), cupy.float32)
-            done = self._decode_buffer("attn_split_done", n_kv, cupy.uint32, zeroed=True)
+            done = self._decode_buffer("attn_split_done", 2 * n_kv, cupy.uint32, zeroed=True)
             (K.attention_decode_deep if deep else K.attention_decode_split)(
                 q, k, v, rope.cos, rope.sin, neox, kc, vc, start, out, scale, window, part, done,
                 self._quantize_output(out), splits, scales=scales)

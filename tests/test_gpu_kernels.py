@@ -366,7 +366,7 @@ def test_attention_decode_split(start, window, hd, neox, rot, heads, kv):
 def test_attention_decode_deep(start, window, hd, neox, rot, heads, kv, splits):
     """The same work on tensor cores, each warp's key tiles streamed through shared memory: GQA groups 1-16, 8
     splits (some exiting at once, one holding only the step's own token at start 0) or as many as the GPU holds."""
-    done = K.counters(kv)
+    done = K.counters(2 * kv)
 
     def launch(*args, q8=None):
         n = splits or K.deep_decode_splits(2048, kv, hd)
@@ -383,7 +383,7 @@ def test_attention_decode_deep(start, window, hd, neox, rot, heads, kv, splits):
 @pytest.mark.parametrize("heads,kv", [(32, 8), (32, 4), (64, 4)])
 def test_attention_decode_deep_tile_shapes(tiles, heads, kv):
     """Every tile shape bench/bench_attention.py times, at today's models' GQA shapes (Qwen3-8B, Qwen3-30B-A3B)."""
-    done = K.counters(kv)
+    done = K.counters(2 * kv)
 
     def launch(*args, q8=None):
         n = K.deep_decode_splits(2048, kv, 128, tiles)

@@ -161,6 +161,63 @@ __device__ __forceinline__ void merge_group_splits(const float* part, u32* done,
     }
 }
 
+// merge_group_splits' work shared by the KV head's blocks instead of left to its last one (attention_decode_deep):
+// after writing its partial results each of the head's `active` blocks counts itself in done[kvh] and waits until
+// all have (the launch is one wave, cuda.deep_decode_splits, so every block is resident and the wait ends); then
+// warp w of the block of split b merges slices c = DEEP_WARPS b + w, + DEEP_WARPS active, ... of the group's HD / 32
+// slices of 32 dims a head, a lane a dim, and quantizes them for the output projection. Lane s holds split s's (and
+// s + 32's) maximum and sum, every split's value of a lane's dim is loaded at once, so the merge is about one round
+// trip to L2. done[n_kv + kvh] counts the blocks leaving; the last zeroes both counts for the next launch.
+template <int HD, int WARPS>
+__device__ __forceinline__ void merge_splits_together(const float* part, u32* done, int kvh, int n_kv, int group,
+                                                      int n_splits, int split, int active, float* out,
+                                                      signed char* xq, signed char* xq2, float2* xds) {
+    constexpr int ROW = HD + 2, SLICES = HD / 32;
+    static_assert(MAX_SPLITS == 64, "a lane holds two splits' maxima and sums");
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        atomicAdd(done + kvh, 1u);
+        u32 arrived = 0;
+        do asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(arrived) : "l"(done + kvh) : "memory");
+        while (arrived < (u32)active);
+    }
+    __syncthreads();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    for (int c = WARPS * split + warp; c < group * SLICES; c += WARPS * active) {
+        const int h = c / SLICES, d = 32 * (c % SLICES) + lane;
+        const float* rows = part + ((long)kvh * group + h) * n_splits * ROW;
+        float m[2], l[2], v[2][32];
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            const int sp = lane + 32 * j;
+            m[j] = sp < active ? __ldcg(rows + (long)sp * ROW + HD) : NEG_INF;
+            l[j] = sp < active ? __ldcg(rows + (long)sp * ROW + HD + 1) : 0.0f;
+            if (32 * j < active)
+#pragma unroll
+                for (int s = 0; s < 32; ++s)
+                    v[j][s] = 32 * j + s < active ? __ldcg(rows + (long)(32 * j + s) * ROW + d) : 0.0f;
+        }
+        const float top = warp_max(fmaxf(m[0], m[1]));
+        float w[2] = {exp2f(m[0] - top), exp2f(m[1] - top)};
+        const float den = warp_sum(l[0] * w[0] + l[1] * w[1]);
+        float acc = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+            if (32 * j < active)
+#pragma unroll
+                for (int s = 0; s < 32; ++s) acc = fmaf(v[j][s], __shfl_sync(0xFFFFFFFFu, w[j], s), acc);
+        acc /= den;
+        const long o = ((long)kvh * group + h) * HD + d;
+        out[o] = acc;
+        if (xq != nullptr) quantize_group(acc, o / 32, xq, xq2, xds);
+    }
+    if (threadIdx.x == 0 && atomicAdd(done + n_kv + kvh, 1u) == (u32)active - 1) {
+        done[kvh] = 0;
+        done[n_kv + kvh] = 0;
+    }
+}
+
 // A warp holds 32 keys of a head as HD / 8 loads of 16 bytes a lane: HD / 8 consecutive lanes read one key row
 // (a lane 8 dims), so each load instruction reads whole rows. (One row a lane touched 32 rows an instruction: on
 // an H200, 8B-shaped decode attention took 9.94 us that way and 8.88 coalesced, bench/RESULTS.md.)
@@ -614,7 +671,8 @@ ATTENTION_DECODE_SPLIT_KV(256, 8)
 // (fp16, rows past the group zero), scores and P.V run on mma.sync as in flash_attention.cu, with an online softmax
 // per warp. The first tiles load before grid_dependency_sync (the cached rows are final before the kernel before
 // this one runs). At the end the warps' results and the step's own token (rotated, stored and attended here) are
-// merged into one partial result per query head, and the KV head's last block merges the splits.
+// merged into one partial result per query head, and the KV head's blocks merge the splits together
+// (merge_splits_together).
 constexpr int DEEP_WARPS = 4;
 
 // Keys (or values) j0 .. j0 + KT - 1 into a warp's shared tile of rows padded to D + 8 halves (ldmatrix's eight
@@ -842,7 +900,7 @@ __device__ __forceinline__ void attention_decode_deep_impl(
     store_block_partial<D>(wacc, &wm[0][0], &wl[0][0], 16, own ? own_s : nullptr, own_v, group,
                            part + ((long)kvh * group * n_splits + split) * (D + 2), n_splits);
     deep_phase<PHASES>(5);
-    merge_group_splits<D>(part, done, kvh, group, n_splits, active, out, xq, xq2, xds);
+    merge_splits_together<D, DEEP_WARPS>(part, done, kvh, n_kv, group, n_splits, split, active, out, xq, xq2, xds);
     deep_phase<PHASES>(6);
 }
 

@@ -638,8 +638,8 @@ def attention_decode_split(q, k, v, cos, sin, neox: bool, k_cache, v_cache, star
 
 @functools.cache
 def _deep_kernel(hd: int, tiles: tuple[int, int], kv: str = "full", phased: bool = False) -> tuple[str, int, int]:
-    """(name, dynamic shared bytes, blocks a multiprocessor holds) of attention_decode_deep with these tiles (or
-    its phased sweep copy); the kernel is allowed its shared memory (above the default 48 KB) here, once."""
+    """(name, dynamic shared bytes, blocks the GPU holds at once) of attention_decode_deep with these tiles (or its
+    phased sweep copy); the kernel is allowed its shared memory (above the default 48 KB) here, once."""
     if phased and (hd, tiles, kv) != (128, N.DEEP_TILES[128], "full"):
         raise ValueError("the phased deep kernel is built for heads of 128, the default tiles and an fp16 cache only")
     name = N.DEEP_PHASED if phased else N.deep_decode(hd, tiles, kv)
@@ -651,9 +651,15 @@ def _deep_kernel(hd: int, tiles: tuple[int, int], kv: str = "full", phased: bool
         shared = DEEP_WARPS * (stages * 2 * (kt * hd + kt * hd // 16 + 16) + 2 * tile)
     fn = kernel("attention", name)
     fn.max_dynamic_shared_size_bytes = shared
-    per_sm = cupy.cuda.Device().attributes["MaxSharedMemoryPerMultiprocessor"]
+    attributes = cupy.cuda.Device().attributes
     per_block = shared + fn.attributes["shared_size_bytes"] + 1024  # the 1 KB the GPU reserves a block
-    return name, shared, max(1, per_sm // per_block)
+    per_sm = max(1, attributes["MaxSharedMemoryPerMultiprocessor"] // per_block)
+    return name, shared, per_sm * attributes["MultiProcessorCount"]
+
+
+def deep_decode_wave(hd: int, tiles: tuple[int, int] | None = None, kv: str = "full") -> int:
+    """Blocks of attention_decode_deep the GPU holds at once: a launch takes at most that many."""
+    return _deep_kernel(hd, tiles or N.DEEP_TILES[hd], kv)[2]
 
 
 def deep_decode_splits(max_tokens: int, n_kv: int, hd: int, tiles: tuple[int, int] | None = None,
@@ -663,24 +669,27 @@ def deep_decode_splits(max_tokens: int, n_kv: int, hd: int, tiles: tuple[int, in
     position the cache holds and at most DEEP_MAX_SPLITS, each split at least a tile per warp (fewer are active at
     shallower positions)."""
     tiles = tiles or N.DEEP_TILES[hd]
-    _, _, resident = _deep_kernel(hd, tiles, kv)
-    sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
-    return max(1, min(DEEP_MAX_SPLITS, _blocks(max_tokens, DEEP_WARPS * tiles[0]), resident * sms // n_kv))
+    one_wave = deep_decode_wave(hd, tiles, kv) // n_kv
+    return max(1, min(DEEP_MAX_SPLITS, _blocks(max_tokens, DEEP_WARPS * tiles[0]), one_wave))
 
 
 def attention_decode_deep(q, k, v, cos, sin, neox: bool, k_cache, v_cache, start, out, scale: float, window: int,
                           part, done, q8: Q8 | None = None, splits: int | None = None,
                           tiles: tuple[int, int] | None = None, scales=None, phased: bool = False) -> None:
     """attention_decode_split's work on tensor cores with each warp's keys and values streamed through shared
-    memory (sm_80+, GQA groups of at most 16): part, float32 scratch of H*splits*(hd+2); done = counters(KV).
-    splits: deep_decode_splits by default; tiles: (keys a warp's tile, stages), kernel_names.DEEP_TILES' by
-    default (others for bench sweeps); phased: kernel_names.DEEP_PHASED, which records its timeline (bench)."""
+    memory (sm_80+, GQA groups of at most 16): part, float32 scratch of H*splits*(hd+2); done = counters(2 KV).
+    splits: deep_decode_splits by default, at most MAX_SPLITS and one wave of blocks (a KV head's blocks wait for
+    each other before they merge); tiles: (keys a warp's tile, stages), kernel_names.DEEP_TILES' by default (others
+    for bench sweeps); phased: kernel_names.DEEP_PHASED, which records its timeline (bench)."""
     _, n_heads, hd = q.shape
     n_kv, max_tokens = k_cache.shape[0], k_cache.shape[1]
     tiles = tiles or N.DEEP_TILES[hd]
     kv, cache = _cache(k_cache, v_cache, scales)
-    name, shared, _ = _deep_kernel(hd, tiles, kv, phased)
+    name, shared, wave = _deep_kernel(hd, tiles, kv, phased)
     splits = splits or deep_decode_splits(max_tokens, n_kv, hd, tiles, kv)
+    if splits > MAX_SPLITS or splits * n_kv > wave:
+        raise ValueError(f"attention_decode_deep takes at most {MAX_SPLITS} splits and one wave of blocks "
+                         f"({wave} on this GPU), not {splits} splits of {n_kv} KV heads")
     launch("attention", name, (splits, n_kv), (32 * DEEP_WARPS,),
            (q, k, v, cos, sin, i32(2 * cos.shape[1]), i32(1 if neox else 0), *cache, i32(max_tokens),
             i32(n_heads), i32(n_kv), start, i32(window), f32(scale * LOG2_E), part, done, out, *q8_args(q8)),
