@@ -153,7 +153,7 @@ def decode_breakdown_us(state, reps: int = 20) -> dict[str, float]:
     ops = {
         "embed": lambda: backend.embed(w.token_embd, chunk.tokens, x),
         "add_rms_norm+q8": lambda: backend.add_rms_norm(delta, x, layer.mixer_norm, c.rms_eps, h),
-        "qkv": lambda: backend.linear(h, attn.qkv[0], a.qkv),
+        "qkv": lambda: attn.qkv.run(backend, h, a.qkv),
         "rope+attention+q8": lambda: backend.rope_attention(a.q, a.k, a.v, attn.rope, ROPE_NORMAL, cache, 0, ws.start, a.out, 0.1),
         "attn_out": lambda: backend.linear(a.out, attn.out, delta),
         "gate_up+q8": lambda: backend.gated_ffn(h, ffn.gate, ffn.up, f.act, f.scratch),

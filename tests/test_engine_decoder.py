@@ -73,3 +73,34 @@ def test_moe_layers_without_experts_are_refused(tiny):
     config = replace(config, ffn_kinds=("dense",) * config.n_layers, mixer_kinds=("deltanet",) * config.n_layers)
     with pytest.raises(EngineError, match="Gated DeltaNet layers but no `deltanet`"):
         new_workspace(config, NumpyBackend(), 8)
+
+
+def test_a_joined_projection_runs_one_product_for_each_run_of_one_type():
+    """Parts of types Q8_0, Q8_0, Q4_0, Q4_0, Q8_0 (as a Q4_K_M file's Q, K and V differ): three matrices, the
+    outputs where each part's rows are, biases joined alike; the products equal gguf's dequantized rows times x."""
+    import gguf.quants
+    import numpy as np
+    from gguf import GGMLQuantizationType as T
+
+    from engine.arch.common import JoinedProjection, WeightLoader
+    from engine.gguf_file import GGUFTensor
+
+    rng = np.random.default_rng(0)
+    types, rows = [T.Q8_0, T.Q8_0, T.Q4_0, T.Q4_0, T.Q8_0], [32, 64, 32, 96, 32]
+    values = [rng.standard_normal((m, 256)).astype(np.float32) for m in rows]
+    parts = [GGUFTensor(f"p{i}", t, v.shape, gguf.quants.quantize(v, t).reshape(-1))
+             for i, (t, v) in enumerate(zip(types, values))]
+    bias_values = [rng.standard_normal(m).astype(np.float32) for m in rows]
+    biases = [GGUFTensor(f"b{i}", T.F32, b.shape, b.view(np.uint8)) for i, b in enumerate(bias_values)]
+    backend = NumpyBackend()
+    loader = WeightLoader(backend, 2 * len(parts), None, None)
+    joined = JoinedProjection.load(loader, "joined", parts, biases=biases)
+    assert len(joined.weights) == 3 and joined.bounds == [0, 96, 224, 256]
+    assert loader.done == 2 * len(parts)
+    x = rng.standard_normal((3, 256)).astype(np.float32)
+    out = np.full((3, 260), np.nan, np.float32)
+    joined.run(backend, x, out)
+    dense = np.concatenate([gguf.quants.dequantize(p.raw, p.qtype).reshape(p.shape) for p in parts])
+    want = x.astype(np.float64) @ dense.T.astype(np.float64) + np.concatenate(bias_values)
+    assert np.isnan(out[:, 256:]).all()
+    np.testing.assert_allclose(out[:, :256], want, rtol=0, atol=2e-2 * np.abs(want).max())

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.arch.common import concat_rows, concat_vectors
+from engine.arch.common import JoinedProjection
 from engine.arch.parts import ATTENTION, Buffers, Chunk, DecoderConfig, LayerSource
 from engine.backend import Array, Backend, KVCache, RopeTable, WeightHandle
 from engine.kv_cache import WindowedCache
@@ -31,8 +31,7 @@ class AttentionBuffers(Buffers):
 
 @dataclass
 class Attention:
-    qkv: list[WeightHandle]  # one stacked (q_dim + 2 kv_dim, hidden) matrix, or q, k, v separately
-    qkv_bias: list[WeightHandle] | None  # matching the split of `qkv`
+    qkv: JoinedProjection  # Q, K and V (with Qwen2's biases)
     qk_norm: tuple[WeightHandle, WeightHandle] | None  # per-head RMSNorm weights of Q and K
     out: WeightHandle
     rope: RopeTable
@@ -44,21 +43,12 @@ class Attention:
 
     @classmethod
     def load(cls, source: LayerSource, layer: int) -> Attention:
-        c, loader = source.config, source.loader
+        c = source.config
         parts = [source.tensor(layer, f"attn_{x}.weight") for x in "qkv"]
-        stacked = concat_rows(f"blk.{layer}.attn_qkv.weight", parts)
-        qkv = [loader.upload(stacked, counts_as=3)] if stacked is not None else [loader.upload(p) for p in parts]
-        bias = None
-        if c.qkv_bias:
-            biases = [source.tensor(layer, f"attn_{x}.bias") for x in "qkv"]
-            if len(qkv) == 1:
-                bias = [loader.upload(concat_vectors(f"blk.{layer}.attn_qkv.bias", biases), counts_as=3)]
-            else:
-                bias = [loader.upload(b) for b in biases]
+        biases = [source.tensor(layer, f"attn_{x}.bias") for x in "qkv"] if c.qkv_bias else None
         sliding = c.sliding(layer)
         return cls(
-            qkv=qkv,
-            qkv_bias=bias,
+            qkv=JoinedProjection.load(source.loader, f"blk.{layer}.attn_qkv.weight", parts, biases=biases),
             qk_norm=(source.upload(layer, "attn_q_norm.weight"), source.upload(layer, "attn_k_norm.weight"))
             if c.qk_norm else None,
             out=source.upload(layer, "attn_output.weight"),
@@ -83,12 +73,7 @@ class Attention:
         c = config
         kv, index = cache.layer(layer)
         b: AttentionBuffers = chunk.parts[ATTENTION]
-        if len(self.qkv) == 1:
-            backend.linear(chunk.h, self.qkv[0], b.qkv, self.qkv_bias[0] if self.qkv_bias else None)
-        else:
-            bounds = [0, c.q_dim, c.q_dim + c.kv_dim, c.q_dim + 2 * c.kv_dim]
-            for j, (weight, lo, hi) in enumerate(zip(self.qkv, bounds, bounds[1:])):
-                backend.linear(chunk.h, weight, b.qkv[:, lo:hi], self.qkv_bias[j] if self.qkv_bias else None)
+        self.qkv.run(backend, chunk.h, b.qkv)
         if self.qk_norm is not None:
             q_norm, k_norm = self.qk_norm
             backend.rms_norm(b.q, q_norm, c.rms_eps, b.q)

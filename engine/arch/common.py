@@ -3,13 +3,14 @@ fusing matrices that read the same input, rotary frequencies."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
 from gguf import GGMLQuantizationType
 
 from engine import quants
-from engine.backend import Backend, WeightHandle
+from engine.backend import Array, Backend, WeightHandle
 from engine.errors import Cancelled, EngineError
 from engine.gguf_file import GGUFFile, GGUFTensor
 
@@ -49,17 +50,62 @@ class WeightLoader:
         return handle
 
 
+def joinable(tensors: list[GGUFTensor]) -> bool:
+    """Whether concat_rows can join these matrices: one type, one row length."""
+    first = tensors[0]
+    return all(t.qtype == first.qtype and len(t.shape) == 2 and t.shape[1] == first.shape[1] for t in tensors)
+
+
 def concat_rows(name: str, tensors: list[GGUFTensor]) -> GGUFTensor | None:
     """One matrix holding the rows of several (e.g. Q, K and V) so a single product computes them all, or
     None when their types or row lengths differ. Quantized blocks never straddle rows, so the rows' bytes
     can simply be stacked."""
-    first = tensors[0]
-    if any(t.qtype != first.qtype or len(t.shape) != 2 or t.shape[1] != first.shape[1] for t in tensors):
+    if not joinable(tensors):
         return None
+    first = tensors[0]
     elements, block_bytes = quants.block_layout(first.qtype)
     row_bytes = first.shape[1] // elements * block_bytes
     raw = np.concatenate([np.asarray(t.raw).reshape(t.shape[0], row_bytes) for t in tensors]).reshape(-1)
     return GGUFTensor(name, first.qtype, (sum(t.shape[0] for t in tensors), first.shape[1]), raw)
+
+
+@dataclass
+class JoinedProjection:
+    """Matrices that read the same input (Q, K and V; a mixer's input projections), each run of consecutive ones
+    that concat_rows can join uploaded as one matrix: one product a run (Q4_K_M files keep Q and K in Q4_K and V
+    in Q6_K on some layers: two products there, not three). bounds: where each run's output starts in the joined
+    output, then its end."""
+
+    weights: list[WeightHandle]
+    biases: list[WeightHandle] | None
+    bounds: list[int]
+
+    @classmethod
+    def load(cls, loader: WeightLoader, name: str, parts: list[GGUFTensor], counts: list[int] | None = None,
+             biases: list[GGUFTensor] | None = None) -> JoinedProjection:
+        """counts: the file tensors each part stands for (one each by default), for the loader's progress."""
+        counts = counts or [1] * len(parts)
+        runs: list[list[int]] = []
+        for i, part in enumerate(parts):
+            if runs and joinable([parts[runs[-1][0]], part]):
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        weights, joined_biases, bounds = [], [], [0]
+        for run in runs:
+            tensors = [parts[i] for i in run]
+            matrix = tensors[0] if len(run) == 1 else concat_rows(name, tensors)
+            weights.append(loader.upload(matrix, counts_as=sum(counts[i] for i in run)))
+            if biases is not None:
+                joined_biases.append(loader.upload(concat_vectors(f"{name}.bias", [biases[i] for i in run]),
+                                                   counts_as=len(run)))
+            bounds.append(bounds[-1] + matrix.shape[0])
+        return cls(weights, joined_biases if biases is not None else None, bounds)
+
+    def run(self, backend: Backend, x: Array, out: Array) -> None:
+        """out[:, : bounds[-1]] = x times every part's rows."""
+        for j, (weight, lo, hi) in enumerate(zip(self.weights, self.bounds, self.bounds[1:])):
+            backend.linear(x, weight, out[:, lo:hi], self.biases[j] if self.biases else None)
 
 
 def stack_rows(name: str, tensors: list[GGUFTensor]) -> GGUFTensor:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine import quants
-from engine.arch.common import WeightLoader, concat_rows, stack_rows
+from engine.arch.common import JoinedProjection, WeightLoader, stack_rows
 from engine.arch.parts import DELTANET, Buffers, Chunk, DecoderConfig, LayerSource
 from engine.backend import Array, Backend, WeightHandle
 from engine.gguf_file import GGUFFile, GGUFTensor
@@ -27,8 +27,8 @@ from engine.kv_cache import RecurrentCache
 
 @dataclass
 class DeltaNetWeights:
-    in_proj: list[WeightHandle]  # the rows of qkv, z and b-then-a in one matrix, or the three apart (types differ)
-    bounds: list[int]  # the column where each part of the projection output starts, and the end
+    in_proj: JoinedProjection  # the rows of qkv, z and b-then-a
+    bounds: list[int]  # the column where each of the three parts of the projection output starts, and the end
     conv: WeightHandle  # (conv_dim, kernel)
     dt_bias: WeightHandle  # (n_v,)
     ssm_a: WeightHandle  # (n_v,), -exp(A_log)
@@ -63,16 +63,9 @@ def load_mixer(gguf: GGUFFile, loader: WeightLoader, i: int, n_k_heads: int) -> 
 
     ba, ba_count = gate_logits(gguf, i, n_k_heads)
     parts = [t("attn_qkv.weight"), t("attn_gate.weight"), ba]
-    counts = [1, 1, ba_count]
-    bounds = list(np.cumsum([0] + [p.shape[0] for p in parts]))
-    fused = concat_rows(f"blk.{i}.ssm_in.weight", parts)
-    if fused is not None:
-        in_proj = [loader.upload(fused, counts_as=sum(counts))]
-    else:
-        in_proj = [loader.upload(p, counts_as=c) for p, c in zip(parts, counts)]
     return DeltaNetWeights(
-        in_proj=in_proj,
-        bounds=[int(b) for b in bounds],
+        in_proj=JoinedProjection.load(loader, f"blk.{i}.ssm_in.weight", parts, counts=[1, 1, ba_count]),
+        bounds=[int(b) for b in np.cumsum([0] + [p.shape[0] for p in parts])],
         conv=loader.upload(t("ssm_conv1d.weight")),
         dt_bias=loader.upload(t("ssm_dt.bias")),
         ssm_a=loader.upload(t("ssm_a")),
@@ -89,11 +82,7 @@ def mixer_block(
     conv_state (kernel - 1, conv_dim) and ssm_state (n_v, dk, dv). proj: (n, conv_dim + n_v dv + 2 n_v),
     mixed: (n, conv_dim) and core: (n, n_v dv) are working buffers."""
     b = w.bounds
-    if len(w.in_proj) == 1:
-        backend.linear(h, w.in_proj[0], proj[:, : b[-1]])
-    else:
-        for weight, lo, hi in zip(w.in_proj, b, b[1:]):
-            backend.linear(h, weight, proj[:, lo:hi])
+    w.in_proj.run(backend, h, proj)
     backend.delta_mixer(proj[:, : b[1]], proj[:, b[1] : b[2]], proj[:, b[2] : b[3]], w.conv, conv_state, w.dt_bias,
                         w.ssm_a, w.norm, eps, ssm_state, mixed, core, n_k_heads, tiled)
     backend.linear(core, w.out, out)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.arch.common import concat_rows
+from engine.arch.common import JoinedProjection
 from engine.arch.deltanet import select_rows
 from engine.arch.parts import GATED_ATTENTION, Buffers, Chunk, DecoderConfig, LayerSource
 from engine.backend import Array, Backend, RopeTable, WeightHandle
@@ -27,7 +27,7 @@ class GatedAttentionBuffers(Buffers):
 class GatedAttention:
     # Rows: the query of every head, then every head's output gate, then keys, then values: one matrix, or four
     # where the file stores K or V in another type than Q (llama.cpp's Q4_K_M keeps some attn_v in Q6_K).
-    qkv: list[WeightHandle]
+    qkv: JoinedProjection  # the query, its gate, K and V
     q_norm: WeightHandle
     k_norm: WeightHandle
     out: WeightHandle
@@ -46,11 +46,8 @@ class GatedAttention:
         query = select_rows(f"blk.{layer}.attn_q.weight", q, heads[:, 0].reshape(-1))
         gate = select_rows(f"blk.{layer}.attn_q_gate.weight", q, heads[:, 1].reshape(-1))
         parts = [query, gate, source.tensor(layer, "attn_k.weight"), source.tensor(layer, "attn_v.weight")]
-        fused = concat_rows(f"blk.{layer}.attn_qkv.weight", parts)
-        if fused is not None:
-            qkv = [loader.upload(fused, counts_as=3)]
-        else:  # the query and gate halves of attn_q count as one file tensor
-            qkv = [loader.upload(p, counts_as=int(j != 1)) for j, p in enumerate(parts)]
+        # the query and gate halves of attn_q count as one file tensor
+        qkv = JoinedProjection.load(loader, f"blk.{layer}.attn_qkv.weight", parts, counts=[1, 0, 1, 1])
         return cls(qkv, source.upload(layer, "attn_q_norm.weight"), source.upload(layer, "attn_k_norm.weight"),
                    source.upload(layer, "attn_output.weight"), source.rope(False), c.slot(layer))
 
@@ -64,11 +61,7 @@ class GatedAttention:
         c, n = config, chunk.n
         b: GatedAttentionBuffers = chunk.parts[GATED_ATTENTION]
         bounds = [0, c.q_dim, 2 * c.q_dim, 2 * c.q_dim + c.kv_dim, 2 * c.q_dim + 2 * c.kv_dim]
-        if len(self.qkv) == 1:
-            backend.linear(chunk.h, self.qkv[0], b.proj)
-        else:
-            for weight, lo, hi in zip(self.qkv, bounds, bounds[1:]):
-                backend.linear(chunk.h, weight, b.proj[:, lo:hi])
+        self.qkv.run(backend, chunk.h, b.proj)
         q = b.proj[:, : bounds[1]].reshape(n, c.n_heads, c.head_dim)
         gate = b.proj[:, bounds[1] : bounds[2]]
         k = b.proj[:, bounds[2] : bounds[3]].reshape(n, c.n_kv_heads, c.head_dim)
