@@ -244,14 +244,15 @@ def glu_shape(m: int, k: int, qtype: T) -> str | tuple[int, int]:
 
 
 @functools.cache
-def _resident_blocks(name: str, threads: int) -> int | None:
-    """How many blocks of a kernel the whole GPU holds at once (the driver's occupancy answer), or None where the
-    driver library is not found."""
+def _resident_blocks(module_name: str, name: str, threads: int, shared: int = 0) -> int | None:
+    """How many blocks of a kernel (of `shared` dynamic shared bytes) the whole GPU holds at once (the driver's
+    occupancy answer), or None where the driver library is not found."""
     if _libcuda() is None:
         return None
     per_sm = ctypes.c_int()
     status = _libcuda().cuOccupancyMaxActiveBlocksPerMultiprocessor(
-        ctypes.byref(per_sm), ctypes.c_void_p(kernel("matvec", name).kernel.ptr), ctypes.c_int(threads), ctypes.c_size_t(0))
+        ctypes.byref(per_sm), ctypes.c_void_p(kernel(module_name, name).kernel.ptr), ctypes.c_int(threads),
+        ctypes.c_size_t(shared))
     if status != 0:
         raise RuntimeError(f"the occupancy query for {name} failed with CUDA error {status}")
     return per_sm.value * cupy.cuda.Device().attributes["MultiProcessorCount"]
@@ -264,7 +265,7 @@ def _stream_grid(w: GpuWeight, m: int, k: int) -> tuple[str, int]:
     rows fewer times: the last round's blocks finish alone (8B FFN down: 6 rounds of 396 blocks, or 4 of 528)."""
     row_sets = _blocks(m, sources.STREAM_ROWS)
     names = [N.stream(w.qtype, form) for form in N.stream_forms(w.qtype)]
-    grids = [(name, min(row_sets, _resident_blocks(name, k // 32) or row_sets)) for name in names]
+    grids = [(name, min(row_sets, _resident_blocks("matvec", name, k // 32) or row_sets)) for name in names]
     return min(grids, key=lambda g: _blocks(row_sets, g[1]))  # the first, the plain form, on a tie
 
 
@@ -651,10 +652,12 @@ def _deep_kernel(hd: int, tiles: tuple[int, int], kv: str = "full", phased: bool
         shared = DEEP_WARPS * (stages * 2 * (kt * hd + kt * hd // 16 + 16) + 2 * tile)
     fn = kernel("attention", name)
     fn.max_dynamic_shared_size_bytes = shared
-    attributes = cupy.cuda.Device().attributes
-    per_block = shared + fn.attributes["shared_size_bytes"] + 1024  # the 1 KB the GPU reserves a block
-    per_sm = max(1, attributes["MaxSharedMemoryPerMultiprocessor"] // per_block)
-    return name, shared, per_sm * attributes["MultiProcessorCount"]
+    wave = _resident_blocks("attention", name, 32 * DEEP_WARPS, shared)
+    if wave is None:  # by shared memory alone, the kernel's limit
+        attributes = cupy.cuda.Device().attributes
+        per_block = shared + fn.attributes["shared_size_bytes"] + 1024  # the 1 KB the GPU reserves a block
+        wave = max(1, attributes["MaxSharedMemoryPerMultiprocessor"] // per_block) * attributes["MultiProcessorCount"]
+    return name, shared, wave
 
 
 def deep_decode_wave(hd: int, tiles: tuple[int, int] | None = None, kv: str = "full") -> int:
