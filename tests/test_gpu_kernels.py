@@ -112,7 +112,7 @@ def test_matvec_stream(qtype, form, m, k):
     q8 = K.Q8.empty(k)
     K.quantize_q8(cp.asarray(x), q8)
     name = f"matvec_stream{form}_{gw.suffix}"
-    blocks = K._resident_blocks(name, k // 32)
+    blocks = K._resident_blocks("matvec", name, k // 32)
     assert blocks is not None
     if m > 1000:
         assert blocks * sources.STREAM_ROWS < m, "each block would take one iteration"
