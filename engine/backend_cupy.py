@@ -526,8 +526,9 @@ class CupyBackend:
             return
         K.causal_conv_silu(qkv, conv.data, conv_state, mixed)
         if K.delta_chunked(n, dk, dv):
-            scratch = tuple(self._buffer(f"delta_{name}", int(np.prod(shape)), dtype).reshape(shape) for name, shape, dtype
-                            in zip(("u", "wqk", "p", "last"), delta_chunk_scratch(n, n_v, dk, dv), DELTA_CHUNK_SCRATCH_TYPES))
+            shapes = zip(("u", "wqk", "p", "last"), delta_chunk_scratch(n, n_v, dk, dv), DELTA_CHUNK_SCRATCH_TYPES)
+            scratch = tuple(self._buffer(f"delta_{name}", int(np.prod(shape)), dtype).reshape(shape)
+                            for name, shape, dtype in shapes)
             K.gated_delta_net_chunked(mixed, ba, dt_bias.data, ssm_a.data, state, out, n_k_heads, tiled, scratch)
         else:
             K.gated_delta_net(mixed, ba, dt_bias.data, ssm_a.data, state, out, n_k_heads, tiled)

@@ -84,7 +84,8 @@ def check_delta_rule(n, dk, dv, tiled, chunked):
     with backend.stream:
         dev_state = cp.asarray(state)
         out = cp.full((n, n_v * dv), np.nan, cp.float32)
-    args = (wide(backend, qkv), wide(backend, ba, 3), cp.asarray(dt_bias), cp.asarray(ssm_a), dev_state, out, n_k, tiled)
+    args = (wide(backend, qkv), wide(backend, ba, 3), cp.asarray(dt_bias), cp.asarray(ssm_a), dev_state, out, n_k,
+            tiled)
     with backend.stream:
         if chunked:
             assert K.delta_chunked(n, dk, dv)
@@ -175,15 +176,14 @@ def test_delta_mixer(n, dk, dv, n_k, n_v, tiled):
     for turn in range(2):
         proj = rng.standard_normal((n, conv_dim + value_dim + 2 * n_v)).astype(np.float32)
         dev_proj = wide(backend, proj, 5)
-        parts = (dev_proj[:, :conv_dim], dev_proj[:, conv_dim : conv_dim + value_dim], dev_proj[:, conv_dim + value_dim :])
-        backend.delta_mixer(*parts, weights[0], dev_conv_state, weights[1], weights[2], weights[3], 1e-6, dev_state,
-                            mixed, out, n_k, tiled)
+        bounds = (0, conv_dim, conv_dim + value_dim, None)
+        backend.delta_mixer(*(dev_proj[:, a:b] for a, b in zip(bounds, bounds[1:])), weights[0], dev_conv_state,
+                            weights[1], weights[2], weights[3], 1e-6, dev_state, mixed, out, n_k, tiled)
         want = np.empty((n, value_dim), np.float32)
-        reference.delta_mixer(proj[:, :conv_dim], proj[:, conv_dim : conv_dim + value_dim], proj[:, conv_dim + value_dim :],
-                              conv, conv_state, dt_bias, ssm_a, norm, 1e-6, state, np.empty((n, conv_dim), np.float32),
-                              want, n_k, tiled)
-        got = backend.to_host(out)
-        errors = rel(got, want), rel(backend.to_host(dev_conv_state), conv_state), rel(backend.to_host(dev_state), state)
+        reference.delta_mixer(*(proj[:, a:b] for a, b in zip(bounds, bounds[1:])), conv, conv_state, dt_bias, ssm_a,
+                              norm, 1e-6, state, np.empty((n, conv_dim), np.float32), want, n_k, tiled)
+        errors = (rel(backend.to_host(out), want), rel(backend.to_host(dev_conv_state), conv_state),
+                  rel(backend.to_host(dev_state), state))
         print(f"delta mixer n={n} dk={dk} dv={dv} heads {n_k}/{n_v} turn {turn}: relative error {errors[0]:.2e}, "
               f"states {errors[1]:.2e} {errors[2]:.2e}")
         assert max(errors) < bound, errors
