@@ -220,24 +220,26 @@ def test_projections_stored_in_different_types_load_apart_and_give_the_same_logi
     import torch
 
     from engine import load_model
-    from engine.arch import deltanet, gated_attention
+    from engine.arch import common
     from gguf_convert import write_gguf
     from test_engine_hybrid import _build
 
     # llama.cpp's Q4_K_M keeps some attn_v (and may keep ssm_beta/alpha) in another type than their neighbours: the
-    # matrices then cannot share one fused projection. Refusing to fuse takes that path on the same weights.
+    # matrices then cannot share one fused projection. Refusing to join any two takes that path on the same weights.
     torch.manual_seed(0)
     path = write_gguf(_build("qwen35"), "qwen35", tmp_path / "qwen35.gguf", smollm2_gguf)
     fused = load_model(path, device="cpu", context_length=256)
     ids = fused.tokenizer.encode("The capital of France is Paris. The capital of Germany is")
     expected, _ = fused.prompt_logits(ids, all_positions=True)
     fused.close()
-    monkeypatch.setattr(gated_attention, "concat_rows", lambda *args: None)
-    monkeypatch.setattr(deltanet, "concat_rows", lambda *args: None)
+    monkeypatch.setattr(common, "joinable", lambda tensors: len(tensors) == 1)  # every projection apart
     progress = []
     apart = load_model(path, device="cpu", context_length=256, on_progress=lambda done, total, _: progress.append((done, total)))
     logits, _ = apart.prompt_logits(ids, all_positions=True)
+    products = {type(layer.mixer).__name__: len((getattr(layer.mixer, "qkv", None) or layer.mixer.weights.in_proj).weights)
+                for layer in apart._state.weights.layers}
     apart.close()
+    assert products == {"DeltaNet": 3, "GatedAttention": 4}
     assert progress[-1][0] == progress[-1][1]
     # The same sums in another blocking of the matrix products: equal to float32 rounding.
     assert np.abs(logits - expected).max() / (expected.max() - expected.min()) < 1e-5
