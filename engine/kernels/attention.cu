@@ -83,9 +83,9 @@ __device__ __forceinline__ void store_block_partial(const float* acc, const floa
     }
 }
 
-// After every block of a KV head wrote its partial results (part: per query head of the group, n_splits of
-// HD + 2 floats, the first `active` of them written): the head's last block to finish (counted in done[kvh], left at
-// zero for the next launch) merges them and quantizes the output. All heads of the group at once: each warp takes a
+// attention_decode_split's merge. After every block of a KV head wrote its partial results (part: per query head of
+// the group, n_splits of HD + 2 floats, the first `active` of them written): the head's last block to finish
+// (counted in done[kvh], left at zero for the next launch) merges them and quantizes the output. All heads of the group at once: each warp takes a
 // head's maxima and sums (a lane per split) and leaves each split's weight, exp2(m_s - top) / sum, in shared
 // memory; then every thread sums its MERGE_OUTPUTS outputs' values over the splits, loading MERGE_SPLITS splits'
 // values at once, so the merge takes a round trip to L2 per MERGE_SPLITS splits (the last block to finish does it
