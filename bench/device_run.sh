@@ -54,8 +54,8 @@ peer_files() {
 for part in "$@"; do
   echo "== $part $(date +%T)"
   case $part in
-    warm)  # compile this tree's kernels and .carry/old's at once, so timed steps do not pay NVRTC inside their limits
-      for tree in . .carry/old; do
+    warm)  # compile this tree's kernels and those of AB_TREES (.carry/old by default) at once, so timed steps do not pay NVRTC inside their limits
+      for tree in $(printf '%s\n' . ${AB_TREES:-.carry/old} | sort -u); do
         [ -d $tree/engine ] && timeout 300 python3 bench/compile_kernels.py --sweep --tree $tree 2>&1 | tee -a "$OUT/compile.jsonl" &
       done
       wait ;;
@@ -261,12 +261,12 @@ for part in "$@"; do
       done ;;
     ab)
       # AB_RUNS="shape:prompt ..." (synthetic, Q4_K_M mix, written here unless /tmp still holds them) through
-      # bench_gpu.py, .carry/old's code and this tree's, in one call.
+      # bench_gpu.py, for each tree of AB_TREES (".carry/old ." by default: an earlier tree's code, then this one's).
       for run in ${AB_RUNS}; do
         f=/tmp/strata/synthetic-${run%%:*}.gguf
         while pgrep -f "make_synthetic_gguf.py $f" >/dev/null; do sleep 2; done  # the files step is writing it
         [ -f $f ] || python3 bench/make_synthetic_gguf.py $f --shape ${run%%:*} --type Q4_K_M > "$OUT/make.log" 2>&1
-        for tree in .carry/old .; do
+        for tree in ${AB_TREES:-.carry/old .}; do
           echo "{\"tree\": \"$tree\"}" >> "$OUT/ab.jsonl"
           (cd $tree && timeout 150 python3 bench/bench_gpu.py $f --prompt ${run#*:} --output 64 --repeats 2) 2>&1 | tee -a "$OUT/ab.jsonl"
         done
