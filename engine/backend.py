@@ -249,6 +249,14 @@ class Backend(Protocol):
         must not alias x.
         """
 
+    def linears(self, x: Array, weights: list[WeightHandle], out: Array,
+                biases: list[WeightHandle] | None = None) -> None:
+        """`linear` of each weight in turn, their outputs side by side: out[:, lo_j:hi_j] = x @ weights[j].T (+
+        biases[j]), lo_0 = 0 and hi_j - lo_j weights[j]'s rows (a backend may run some of them as one product).
+
+        x: (n, k) float32; out: (n, sum of the rows) float32, must not alias x.
+        """
+
     def gated_ffn(
         self,
         x: Array,
@@ -377,3 +385,13 @@ class Backend(Protocol):
         x, out: (n, m) float32, out may be x (when not accumulating); gate: (n, m), or (n, 1) broadcast over the row
         (the gated attention output and the shared expert's gate). Inputs may be column views of wider rows.
         """
+
+
+def linear_each(backend: Backend, x: Array, weights: list[WeightHandle], out: Array,
+                biases: list[WeightHandle] | None = None) -> None:
+    """Backend.linears as one `linear` a weight."""
+    lo = 0
+    for j, weight in enumerate(weights):
+        hi = lo + weight.shape[0]
+        backend.linear(x, weight, out[:, lo:hi], biases[j] if biases else None)
+        lo = hi

@@ -22,7 +22,7 @@ import numpy as np
 
 from engine import quants
 from engine.backend import (Q8_0_GROUP, ROPE_NEOX, ROPE_NORMAL, ExpertCacheStats, KVCache, MemoryInUse, RopeTable,
-                            SamplingParams, check_kv_cache_type)
+                            SamplingParams, check_kv_cache_type, linear_each)
 from engine.capabilities import DEQUANT_SCRATCH_ELEMENTS, GPU_KV_DTYPE, HOST_EXPERT_THREADS, MIN_COMPUTE_CAPABILITY
 from engine import expert_stream
 from engine.expert_cache import ExpertCache
@@ -347,6 +347,12 @@ class CupyBackend:
             self._prompt_linear(x, weight, out)
         if bias is not None:
             out += bias.data
+
+    def linears(self, x: Any, weights: list[K.GpuWeight], out: Any, biases: list[K.GpuWeight] | None = None) -> None:
+        if x.shape[0] == 1 and biases is None and len(weights) == 2 and K.pair_shapes(*weights) is not None:
+            K.matvec_pair(*weights, self._quantized_input(x), out)
+            return
+        linear_each(self, x, weights, out, biases)
 
     def _prompt_linear(self, x: Any, weight: K.GpuWeight, out: Any) -> None:
         if K.tiled(x, weight, out):

@@ -12,7 +12,8 @@ from typing import Any, Callable
 import numpy as np
 
 from engine import quants
-from engine.backend import Q8_0_GROUP, ROPE_NEOX, KVCache, MemoryInUse, RopeTable, SamplingParams, check_kv_cache_type
+from engine.backend import (Q8_0_GROUP, ROPE_NEOX, KVCache, MemoryInUse, RopeTable, SamplingParams, check_kv_cache_type,
+                            linear_each)
 from engine.capabilities import CPU_KV_DTYPE
 from engine.cpu import experts, ops, products
 from engine.cpu.blas import blas_threads
@@ -116,6 +117,9 @@ class NumpyBackend:
         product(weight, x, out)
         if bias is not None:
             out += bias.dense
+
+    def linears(self, x, weights: list[CpuWeight], out, biases: list[CpuWeight] | None = None) -> None:
+        linear_each(self, x, weights, out, biases)
 
     def gated_ffn(self, x, gate: CpuWeight, up: CpuWeight, out, scratch, activation: str = "silu") -> None:
         act = activation_for(x, gate, up)

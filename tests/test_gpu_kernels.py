@@ -89,6 +89,34 @@ def test_matvec(qtype, wpr, rows):
     assert rel(out.get(), expect) < 1e-5
 
 
+@pytest.mark.parametrize("shapes", N.PAIR_SHAPES)
+@pytest.mark.parametrize("types", N.PAIR_TYPES, ids=lambda t: f"{t[0].name}-{t[1].name}")
+def test_matvec_pair(types, shapes):
+    """Two products in one launch, each part in its shape, the second's rows right after the first's; rows that
+    end inside a block on both sides. Then through the backend's linears, which picks the pair kernel itself."""
+    rng = np.random.default_rng()
+    (ma, mb), k = (1003, 517), 2048
+    parts = [random_weight(t, m, k, rng) for t, m in zip(types, (ma, mb))]
+    gws = [K.upload_weight(f"w{j}", t, (m, k), raw) for j, (t, m, (raw, _)) in enumerate(zip(types, (ma, mb), parts))]
+    x = rng.standard_normal(k).astype(np.float32)
+    q8 = K.Q8.empty(k)
+    K.quantize_q8(cp.asarray(x), q8)
+    expect = np.concatenate([w for _, w in parts]).astype(np.float64) @ q8_input(x)
+    out = poisoned(ma + mb + 1)
+    blocks = sum(-(-m * wpr // (4 * rows)) for m, (wpr, rows) in zip((ma, mb), shapes))
+    K.launch("matvec", N.pair(types, shapes), (blocks,), (128,),
+             (*gws[0].args(), *gws[1].args(), *q8.args(), out, np.int32(ma), np.int32(mb), np.int32(k)))
+    result = out.get()
+    assert rel(result[:-1], expect) < 1e-5 and np.isnan(result[-1])  # nothing written past the second's rows
+
+    from engine.backend_cupy import CupyBackend
+
+    assert K.pair_shapes(*gws) is not None  # these sizes take the pair kernel on their own
+    out = poisoned((1, ma + mb))
+    CupyBackend().linears(cp.asarray(x).reshape(1, k), gws, out)
+    assert rel(out.get()[0], expect) < 1e-5
+
+
 def rel_to_terms(out, w, x) -> float:
     """Largest |out - w @ x| a row over that row's sum of |terms|, the scale of float rounding in a dot product
     (a relative error over a single row is unbounded where its terms cancel)."""

@@ -104,8 +104,7 @@ class JoinedProjection:
 
     def run(self, backend: Backend, x: Array, out: Array) -> None:
         """out[:, : bounds[-1]] = x times every part's rows."""
-        for j, (weight, lo, hi) in enumerate(zip(self.weights, self.bounds, self.bounds[1:])):
-            backend.linear(x, weight, out[:, lo:hi], self.biases[j] if self.biases else None)
+        backend.linears(x, self.weights, out[:, : self.bounds[-1]], self.biases)
 
 
 def stack_rows(name: str, tensors: list[GGUFTensor]) -> GGUFTensor:

@@ -292,6 +292,25 @@ def matvec(w: GpuWeight, x: Any, q8: Q8 | None, out: Any, shape: str | tuple[int
            (32 * WARPS,), args)
 
 
+def pair_shapes(a: GpuWeight, b: GpuWeight) -> tuple[tuple[int, int], tuple[int, int]] | None:
+    """The shapes matvec_pair runs a and b in (matvec_shape's for each), or None where no pair kernel serves them:
+    their types are not a pair of N.PAIR_TYPES, their rows differ in length, or one of them runs streamed."""
+    if (a.qtype, b.qtype) not in N.PAIR_TYPES or a.shape[1] != b.shape[1]:
+        return None
+    shapes = (matvec_shape(*a.shape, a.qtype), matvec_shape(*b.shape, b.qtype))
+    return shapes if shapes in N.PAIR_SHAPES else None
+
+
+def matvec_pair(a: GpuWeight, b: GpuWeight, q8: Q8, out: Any) -> None:
+    """out (ma + mb,) = a (ma, k) . x, then b (mb, k) . x, in one launch (q8: quantize_q8 of x); pair_shapes must
+    have served them."""
+    (ma, k), mb = a.shape, b.shape[0]
+    shapes = pair_shapes(a, b)
+    blocks = sum(_blocks(m * wpr, WARPS * rows) for m, (wpr, rows) in zip((ma, mb), shapes))
+    launch("matvec", N.pair((a.qtype, b.qtype), shapes), (blocks,), (32 * WARPS,),
+           (*a.args(), *b.args(), *q8.args(), out, i32(ma), i32(mb), i32(k)))
+
+
 def matvec_glu(gate: GpuWeight, up: GpuWeight, x: Any, q8: Q8 | None, out: Any, act: int, q8_out: Q8 | None = None,
                shape: str | tuple[int, int] | None = None) -> None:
     """out (f,) = act(gate . x) * (up . x), both matrices read in one pass; with q8_out (quantized weights,

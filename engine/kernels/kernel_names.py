@@ -36,6 +36,11 @@ _GROUPED_SUFFIXES = (*(KERNEL_SUFFIX[t] for t in QUANT_TYPES), *HOST_LAYOUTS)
 # Quantized decode products of matvec.cu by kernel shape: kind -> (warps per row set, rows per set).
 SHAPES = {"matvec": ((1, 1), (2, 1), (1, 2), (2, 2)), "matvec_glu": ((1, 1), (2, 1), (1, 2))}
 SWEEP_SHAPES = {"matvec": ((4, 1),), "matvec_glu": ((4, 1), (2, 2))}  # matvec.cu, #ifdef SWEEP_KERNELS
+# Two products of one input in one launch (matvec.cu MATVEC_PAIR), for the type pairs of a joined projection's runs
+# in K-quant files (Q and K, then V; Q4_K_M and Q5_K_M keep V in Q6_K on some layers, Q3_K_M in Q5_K), each part in
+# the shape cuda.matvec_shape gives it there: (first's, second's).
+PAIR_TYPES = ((T.Q4_K, T.Q6_K), (T.Q5_K, T.Q6_K), (T.Q3_K, T.Q5_K))
+PAIR_SHAPES = tuple((a, b) for a in ((1, 1), (2, 1), (2, 2)) for b in ((1, 1), (2, 1)))
 SWEEP_OPTION = "-DSWEEP_KERNELS"
 STREAM_FORMS = ("", "_lean")  # matvec_stream: plain, and at 32 registers
 LEAN_STREAM_TYPES = (T.Q4_0,)  # where the 32-register form paid on an H200 (8B Q4_0); the others' are sweep-only
@@ -92,6 +97,12 @@ def shaped(kind: str, qtype: T, shape: tuple[int, int]) -> str:
         raise ValueError(f"{kind} has no kernel of shape {shape} for {qtype.name} weights")
     wpr, rows = shape
     return f"{kind}_{KERNEL_SUFFIX[qtype]}_w{wpr}" + ("_r2" if rows == 2 else "")
+
+
+def pair(types: tuple[T, T], shapes: tuple[tuple[int, int], tuple[int, int]]) -> str:
+    if types not in PAIR_TYPES or shapes not in PAIR_SHAPES:
+        raise ValueError(f"matvec_pair has no kernel for {types[0].name} then {types[1].name} in shapes {shapes}")
+    return "matvec_pair" + "".join(f"_{KERNEL_SUFFIX[t]}_w{wpr}_r{rows}" for t, (wpr, rows) in zip(types, shapes))
 
 
 def stream_forms(qtype: T) -> tuple[str, ...]:
@@ -177,7 +188,7 @@ def built(capability: int, sweep: bool = False) -> dict[str, set[str]]:
         add("attention", {deep_decode(hd, tiles) for hd, sweep_tiles in DEEP_SWEEP.items() for tiles in sweep_tiles}
             | {DEEP_PHASED})
         return names
-    add("matvec", streams)
+    add("matvec", streams | {pair(types, shapes) for types in PAIR_TYPES for shapes in PAIR_SHAPES})
     for kind, (module, types) in PER_TYPE.items():
         add(module, {typed(kind, t) for t in types})
     add("matmul", {grouped(kind, suffix) for kind in GROUPED_KINDS for suffix in _GROUPED_SUFFIXES})

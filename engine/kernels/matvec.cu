@@ -82,15 +82,16 @@ __device__ __forceinline__ void prefetch_rows(const Planes& p, long row0, int ro
     }
 }
 
-// A block of 4 warps covers 4 / WPR row sets of R rows; the WPR warps of a row set split its groups (more loads
-// in flight for long rows) and add up through shared memory. NW = 2 is the fused gate/up pair:
+// Block `block` of 4 warps covers 4 / WPR row sets of R rows; the WPR warps of a row set split its groups (more
+// loads in flight for long rows) and add up through shared memory. NW = 2 is the fused gate/up pair:
 // out = act(gate.x) * (up.x).
 template <class B, int NW, int WPR, int R>
 __device__ __forceinline__ void matvec_q(const Planes* w, const signed char* xq, const signed char* xq2,
-                                         const float2* xds, float* __restrict__ out, int m, int k, int act) {
+                                         const float2* xds, float* __restrict__ out, int m, int k, int act,
+                                         int block) {
     __shared__ float part[NW * R][4];
     const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
-    const int row0 = (blockIdx.x * (4 / WPR) + warp / WPR) * R;
+    const int row0 = (block * (4 / WPR) + warp / WPR) * R;
     if (row0 < m && warp % WPR == 0)
 #pragma unroll
         for (int j = 0; j < NW; ++j) prefetch_rows<B>(w[j], row0, min(R, m - row0), k);
@@ -147,19 +148,19 @@ __device__ __forceinline__ void matvec_glu_q8(const Planes* w, const signed char
 
 // Kernels of one shape (WPR warps a row set of R rows, matvec_q): a product, and the gate/up pair.
 #define MATVEC_ONE(name, B, shape, WPR, R)                                                                     \
-    extern "C" __global__ void matvec_##name##shape(const u8* q, const u8* h, const u8* s, const u8* d,       \
-                                                    const signed char* xq, const signed char* xq2,            \
-                                                    const float2* xds, float* out, int m, int k) {            \
+    extern "C" __global__ void matvec_##name##shape(const u8* q, const u8* h, const u8* s, const u8* d,        \
+                                                    const signed char* xq, const signed char* xq2,             \
+                                                    const float2* xds, float* out, int m, int k) {             \
         const Planes w[1] = {{q, h, s, d}};                                                                    \
-        matvec_q<B, 1, WPR, R>(w, xq, xq2, xds, out, m, k, 0);                                                 \
+        matvec_q<B, 1, WPR, R>(w, xq, xq2, xds, out, m, k, 0, blockIdx.x);                                     \
     }
 #define MATVEC_GLU(name, B, shape, WPR, R)                                                                     \
-    extern "C" __global__ void matvec_glu_##name##shape(const u8* q, const u8* h, const u8* s, const u8* d,   \
+    extern "C" __global__ void matvec_glu_##name##shape(const u8* q, const u8* h, const u8* s, const u8* d,    \
                                                         const u8* q2, const u8* h2, const u8* s2, const u8* d2, \
-                                                        const signed char* xq, const signed char* xq2,        \
+                                                        const signed char* xq, const signed char* xq2,         \
                                                         const float2* xds, float* out, int m, int k, int act) { \
         const Planes w[2] = {{q, h, s, d}, {q2, h2, s2, d2}};                                                  \
-        matvec_q<B, 2, WPR, R>(w, xq, xq2, xds, out, m, k, act);                                               \
+        matvec_q<B, 2, WPR, R>(w, xq, xq2, xds, out, m, k, act, blockIdx.x);                                   \
     }
 
 // The shapes cuda.py's matvec_shape and glu_shape pick (kernel_names.SHAPES), and the fused gate/up pair.
@@ -171,14 +172,47 @@ __device__ __forceinline__ void matvec_glu_q8(const Planes* w, const signed char
     MATVEC_GLU(name, B, _w1, 1, 1)                                                                             \
     MATVEC_GLU(name, B, _w2, 2, 1)                                                                             \
     MATVEC_GLU(name, B, _w1_r2, 1, 2)                                                                          \
-    extern "C" __global__ void __launch_bounds__(512) matvec_glu_q8_##name(                                   \
-        const u8* q, const u8* h, const u8* s, const u8* d, const u8* q2, const u8* h2, const u8* s2,         \
+    extern "C" __global__ void __launch_bounds__(512) matvec_glu_q8_##name(                                    \
+        const u8* q, const u8* h, const u8* s, const u8* d, const u8* q2, const u8* h2, const u8* s2,          \
         const u8* d2, const signed char* xq, const signed char* xq2, const float2* xds, float* out, int k,     \
         int act, signed char* oq, signed char* oq2, float2* ods) {                                             \
         const Planes w[2] = {{q, h, s, d}, {q2, h2, s2, d2}};                                                  \
         matvec_glu_q8<B>(w, xq, xq2, xds, out, k, act, oq, oq2, ods);                                          \
     }
 FOR_EACH_QUANT(MATVEC_Q)
+
+// Two products of one input in one launch, where a joined projection's runs differ in type (Q and K in Q4_K, V in
+// Q6_K): a launch fewer, and the small one's blocks run beside the large one's instead of after them. Blocks below
+// A's count make A's ma rows (shape WA, RA, as matvec_q), the rest B's mb rows, written after A's in out.
+template <class A, int WA, int RA, class B, int WB, int RB>
+__device__ __forceinline__ void matvec_pair(const Planes& a, const Planes& b, const signed char* xq,
+                                            const signed char* xq2, const float2* xds, float* out, int ma, int mb,
+                                            int k) {
+    const int blocks_a = (ma * WA + 4 * RA - 1) / (4 * RA);
+    if ((int)blockIdx.x < blocks_a)
+        matvec_q<A, 1, WA, RA>(&a, xq, xq2, xds, out, ma, k, 0, blockIdx.x);
+    else
+        matvec_q<B, 1, WB, RB>(&b, xq, xq2, xds, out + ma, mb, k, 0, blockIdx.x - blocks_a);
+}
+
+#define MATVEC_PAIR_SHAPED(na, A, WA, RA, nb, B, WB, RB)                                                       \
+    extern "C" __global__ void matvec_pair_##na##_w##WA##_r##RA##_##nb##_w##WB##_r##RB(                        \
+        const u8* q, const u8* h, const u8* s, const u8* d, const u8* q2, const u8* h2, const u8* s2,          \
+        const u8* d2, const signed char* xq, const signed char* xq2, const float2* xds, float* out, int ma,    \
+        int mb, int k) {                                                                                       \
+        matvec_pair<A, WA, RA, B, WB, RB>({q, h, s, d}, {q2, h2, s2, d2}, xq, xq2, xds, out, ma, mb, k);       \
+    }
+// The pairs kernel_names.PAIR_TYPES lists, in the shapes cuda.matvec_shape gives them (PAIR_SHAPES).
+#define MATVEC_PAIR(na, A, nb, B)                                                                              \
+    MATVEC_PAIR_SHAPED(na, A, 1, 1, nb, B, 1, 1)                                                               \
+    MATVEC_PAIR_SHAPED(na, A, 2, 1, nb, B, 1, 1)                                                               \
+    MATVEC_PAIR_SHAPED(na, A, 2, 2, nb, B, 1, 1)                                                               \
+    MATVEC_PAIR_SHAPED(na, A, 1, 1, nb, B, 2, 1)                                                               \
+    MATVEC_PAIR_SHAPED(na, A, 2, 1, nb, B, 2, 1)                                                               \
+    MATVEC_PAIR_SHAPED(na, A, 2, 2, nb, B, 2, 1)
+MATVEC_PAIR(q4_k, BlockQ4_K, q6_k, BlockQ6_K)
+MATVEC_PAIR(q5_k, BlockQ5_K, q6_k, BlockQ6_K)
+MATVEC_PAIR(q3_k, BlockQ3_K, q5_k, BlockQ5_K)
 
 #ifdef SWEEP_KERNELS
 // Shapes only bench/gpu_kernels.py's sweeps launch (kernel_names.SWEEP_SHAPES): a module copy of their own.
@@ -243,7 +277,7 @@ __device__ __forceinline__ void matvec_stream(const Planes& w, const signed char
 
 #define MATVEC_STREAM_FORM(name, B, form, bounds)                                                              \
     extern "C" __global__ void bounds matvec_stream##form##_##name(                                            \
-        const u8* q, const u8* h, const u8* s, const u8* d, const signed char* xq, const signed char* xq2,    \
+        const u8* q, const u8* h, const u8* s, const u8* d, const signed char* xq, const signed char* xq2,     \
         const float2* xds, float* out, int m, int k) {                                                         \
         matvec_stream<B>({q, h, s, d}, xq, xq2, xds, out, m, k);                                               \
     }
@@ -301,9 +335,9 @@ __device__ __forceinline__ void matvec_f(const typename W::T* const* w, const fl
         const W::T* ws[1] = {w};                                                                               \
         matvec_f<W, 1>(ws, x, out, m, k, 0);                                                                   \
     }                                                                                                          \
-    extern "C" __global__ void matvec_glu_##name(const W::T* w, const W::T* w2, const float* x, float* out,  \
-                                                 int m, int k, int act) {                                    \
-        grid_dependency_sync();                                                                              \
+    extern "C" __global__ void matvec_glu_##name(const W::T* w, const W::T* w2, const float* x, float* out,    \
+                                                 int m, int k, int act) {                                      \
+        grid_dependency_sync();                                                                                \
         const W::T* ws[2] = {w, w2};                                                                           \
         matvec_f<W, 2>(ws, x, out, m, k, act);                                                                 \
     }
@@ -419,16 +453,16 @@ __device__ __forceinline__ void moe_down_q(const Planes& w, const signed char* _
 }
 
 #define MOE_Q(name, B)                                                                                         \
-    extern "C" __global__ void moe_gate_up_##name(const u8* q, const u8* h, const u8* s, const u8* d,         \
+    extern "C" __global__ void moe_gate_up_##name(const u8* q, const u8* h, const u8* s, const u8* d,          \
                                                   const u8* q2, const u8* h2, const u8* s2, const u8* d2,      \
-                                                  const signed char* xq, const signed char* xq2,              \
+                                                  const signed char* xq, const signed char* xq2,               \
                                                   const float2* xds, const int* ids, int top_k, float* hidden, \
                                                   int f, int k, int act) {                                     \
         grid_dependency_sync();                                                                                \
         const Planes w[2] = {{q, h, s, d}, {q2, h2, s2, d2}};                                                  \
         moe_gate_up_q<B>(w, xq, xq2, xds, ids, top_k, hidden, f, k, act);                                      \
     }                                                                                                          \
-    extern "C" __global__ void moe_down_##name(const u8* q, const u8* h, const u8* s, const u8* d,            \
+    extern "C" __global__ void moe_down_##name(const u8* q, const u8* h, const u8* s, const u8* d,             \
                                                const signed char* xq, const signed char* xq2, const float2* xds, \
                                                const int* ids, const float* weights, int top_k, float* out,    \
                                                int dim, int f) {                                               \
@@ -439,8 +473,8 @@ FOR_EACH_QUANT(MOE_Q)
 
 #define MOE_F(name, W)                                                                                         \
     extern "C" __global__ void moe_gate_up_##name(const W::T* w, const W::T* w2, const float* x, const int* ids, \
-                                                  int top_k, float* hidden, int f, int k, int act) {             \
-        grid_dependency_sync();                                                                                  \
+                                                  int top_k, float* hidden, int f, int k, int act) {           \
+        grid_dependency_sync();                                                                                \
         const FDot<W> gate{w, x, k}, up{w2, x, k};                                                             \
         moe_gate_up(gate, up, ids, top_k, hidden, f, act);                                                     \
     }                                                                                                          \
