@@ -54,9 +54,10 @@ peer_files() {
 for part in "$@"; do
   echo "== $part $(date +%T)"
   case $part in
-    warm)  # compile this tree's kernels and those of AB_TREES (.carry/old by default) at once, so timed steps do not pay NVRTC inside their limits
+    warm)  # compile this tree's kernels and those of AB_TREES (.carry/old by default) at once (with the sweep copies
+           # unless WARM_OPTIONS is set, e.g. to ""), so timed steps do not pay NVRTC inside their limits
       for tree in $(printf '%s\n' . ${AB_TREES:-.carry/old} | sort -u); do
-        [ -d $tree/engine ] && timeout 300 python3 bench/compile_kernels.py --sweep --tree $tree 2>&1 | tee -a "$OUT/compile.jsonl" &
+        [ -d $tree/engine ] && timeout 300 python3 bench/compile_kernels.py ${WARM_OPTIONS---sweep} --tree $tree 2>&1 | tee -a "$OUT/compile.jsonl" &
       done
       wait ;;
     tests) python3 -m pytest -q -p no:cacheprovider --tb=short -rf tests/test_gpu_layout.py tests/test_gpu_kernels.py tests/test_gpu_backend.py 2>&1 | tee "$OUT/tests.log" | tail -25 ;;

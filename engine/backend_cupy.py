@@ -348,6 +348,7 @@ class CupyBackend:
         if bias is not None:
             out += bias.data
 
+    @_op("out")
     def linears(self, x: Any, weights: list[K.GpuWeight], out: Any, biases: list[K.GpuWeight] | None = None) -> None:
         if x.shape[0] == 1 and biases is None and len(weights) == 2 and K.pair_shapes(*weights) is not None:
             K.matvec_pair(*weights, self._quantized_input(x), out)

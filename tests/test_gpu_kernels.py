@@ -110,11 +110,18 @@ def test_matvec_pair(types, shapes):
     assert rel(result[:-1], expect) < 1e-5 and np.isnan(result[-1])  # nothing written past the second's rows
 
     from engine.backend_cupy import CupyBackend
+    from engine.gguf_file import GGUFTensor
 
-    assert K.pair_shapes(*gws) is not None  # these sizes take the pair kernel on their own
-    out = poisoned((1, ma + mb))
-    CupyBackend().linears(cp.asarray(x).reshape(1, k), gws, out)
-    assert rel(out.get()[0], expect) < 1e-5
+    backend = CupyBackend()
+    handles = [backend.upload(GGUFTensor(f"w{j}", t, (m, k), raw))
+               for j, (t, m, (raw, _)) in enumerate(zip(types, (ma, mb), parts))]
+    assert K.pair_shapes(*handles) is not None  # these sizes take the pair kernel on their own
+    with backend.stream:
+        out = poisoned((1, ma + mb))
+        xd = cp.asarray(x).reshape(1, k)
+    backend.linears(xd, handles, out)
+    assert rel(backend.to_host(out)[0], expect) < 1e-5
+    backend.close()
 
 
 def rel_to_terms(out, w, x) -> float:
