@@ -334,21 +334,14 @@ def matvec_glu(gate: GpuWeight, up: GpuWeight, x: Any, q8: Q8 | None, out: Any, 
         quantize_q8(out, q8_out)
 
 
-def moe_gate_up(gate: GpuWeight, up: GpuWeight, x: Any, q8: Q8 | None, ids: Any, hidden: Any, act: int,
-                q8_out: Q8 | None = None) -> None:
+def moe_gate_up(gate: GpuWeight, up: GpuWeight, x: Any, q8: Q8 | None, ids: Any, hidden: Any, act: int) -> None:
     """hidden (n * top_k, f) = act(gate_e . x[token]) * (up_e . x[token]) for each token's chosen experts e =
-    ids (n, top_k); gate, up: stacked (n_experts, f, k) weights of one type; quantized ones read q8 (x's). q8_out
-    (quantized weights, f a multiple of 32): hidden's int8 groups are also made there, for moe_down."""
+    ids (n, top_k); gate, up: stacked (n_experts, f, k) weights of one type; quantized ones read q8 (x's)."""
     _, f, k = gate.shape
     slots = ids.size
     src = q8.args() if gate.quantized else (x,)
-    args = (*gate.args(), *up.args(), *src, ids, i32(ids.shape[1]), hidden, i32(f), i32(k), i32(act))
-    if q8_out is not None:
-        if not gate.quantized or f % 32:
-            raise ValueError(f"moe_gate_up quantizes its output only for quantized weights of rows a multiple of 32, not {f}")
-        launch("matvec", N.typed("moe_gate_up_q8", gate.qtype), (f // 32, slots), (512,), (*args, *q8_out.args()))
-        return
-    launch("matvec", N.typed("moe_gate_up", gate.qtype), (_blocks(f, WARPS), slots), (32 * WARPS,), args)
+    launch("matvec", N.typed("moe_gate_up", gate.qtype), (_blocks(f, WARPS), slots), (32 * WARPS,),
+           (*gate.args(), *up.args(), *src, ids, i32(ids.shape[1]), hidden, i32(f), i32(k), i32(act)))
 
 
 def moe_down(down: GpuWeight, hidden: Any, q8: Q8 | None, ids: Any, weights: Any, out: Any) -> None:

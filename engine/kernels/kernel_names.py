@@ -24,7 +24,6 @@ PER_TYPE = {
     "matvec_glu_q8": ("matvec", QUANT_TYPES),
     "moe_gate_up": ("matvec", ALL_TYPES),
     "moe_down": ("matvec", ALL_TYPES),
-    "moe_gate_up_q8": ("matvec", QUANT_TYPES),
     "matmul": ("matmul", QUANT_TYPES),
     "matmul_glu": ("matmul", QUANT_TYPES),
 }

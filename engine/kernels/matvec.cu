@@ -424,34 +424,6 @@ __device__ __forceinline__ void moe_gate_up_q(const Planes (&w)[2], const signed
     if ((threadIdx.x & 31) == 0) hidden[(long)slot * f + r] = activate(g, act) * u;
 }
 
-// Decode's gate/up that also quantizes its output for moe_down_q (as matvec_glu_q8 does for a dense FFN), which
-// saves quantize_q8's launch: a block of 16 warps makes 32 consecutive rows of one slot, two a warp, exactly one
-// int8 group. f must be a multiple of 32. A slot computed elsewhere (id below 0) gets zeros.
-template <class B>
-__device__ __forceinline__ void moe_gate_up_q8(const Planes (&w)[2], const signed char* __restrict__ xq,
-                                               const signed char* __restrict__ xq2, const float2* __restrict__ xds,
-                                               const int* __restrict__ ids, int top_k, float* __restrict__ hidden,
-                                               int f, int k, int act, signed char* oq, signed char* oq2,
-                                               float2* ods) {
-    __shared__ float vals[32];
-    const int slot = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x & 31, e = __ldg(ids + slot);
-    const int row0 = e * f + blockIdx.x * 32 + 2 * warp;
-    const long g0 = (long)(slot / top_k) * (k / 32);
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    if (e >= 0) row_dots<B, 2, 2>(w, row0, row0 + 2, k, lane, 32, xq + 32 * g0, xq2 + 32 * g0, xds + g0, acc);
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const float g = warp_sum(acc[r]), u = warp_sum(acc[2 + r]);
-        if (lane == 0) vals[2 * warp + r] = e >= 0 ? activate(g, act) * u : 0.0f;
-    }
-    __syncthreads();
-    if (warp == 0) {
-        const float v = vals[lane];
-        hidden[(long)slot * f + blockIdx.x * 32 + lane] = v;
-        quantize_group(v, (long)slot * (f / 32) + blockIdx.x, oq, oq2, ods);
-    }
-}
-
 template <class B>
 __device__ __forceinline__ void moe_down_q(const Planes& w, const signed char* __restrict__ xq,
                                            const signed char* __restrict__ xq2, const float2* __restrict__ xds,
@@ -489,14 +461,6 @@ __device__ __forceinline__ void moe_down_q(const Planes& w, const signed char* _
         grid_dependency_sync();                                                                                \
         const Planes w[2] = {{q, h, s, d}, {q2, h2, s2, d2}};                                                  \
         moe_gate_up_q<B>(w, xq, xq2, xds, ids, top_k, hidden, f, k, act);                                      \
-    }                                                                                                          \
-    extern "C" __global__ void __launch_bounds__(512) moe_gate_up_q8_##name(                                   \
-        const u8* q, const u8* h, const u8* s, const u8* d, const u8* q2, const u8* h2, const u8* s2,          \
-        const u8* d2, const signed char* xq, const signed char* xq2, const float2* xds, const int* ids,        \
-        int top_k, float* hidden, int f, int k, int act, signed char* oq, signed char* oq2, float2* ods) {     \
-        grid_dependency_sync();                                                                                \
-        const Planes w[2] = {{q, h, s, d}, {q2, h2, s2, d2}};                                                  \
-        moe_gate_up_q8<B>(w, xq, xq2, xds, ids, top_k, hidden, f, k, act, oq, oq2, ods);                       \
     }                                                                                                          \
     extern "C" __global__ void moe_down_##name(const u8* q, const u8* h, const u8* s, const u8* d,             \
                                                const signed char* xq, const signed char* xq2, const float2* xds, \
