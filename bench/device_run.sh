@@ -265,7 +265,10 @@ for part in "$@"; do
       # bench_gpu.py, for each tree of AB_TREES (".carry/old ." by default: an earlier tree's code, then this one's).
       for run in ${AB_RUNS}; do
         f=/tmp/strata/synthetic-${run%%:*}.gguf
-        while pgrep -f "make_synthetic_gguf.py $f" >/dev/null; do sleep 2; done  # the files step is writing it
+        # The files step may still be writing files: wait for all of them, since writing one slows the host side of
+        # the runs timed meanwhile (session 16: prompts of 4,096 tokens at 12,249-13,216 tokens/s during a write,
+        # 16,302 without one in session 15).
+        while pgrep -f make_synthetic_gguf.py >/dev/null; do sleep 2; done
         [ -f $f ] || python3 bench/make_synthetic_gguf.py $f --shape ${run%%:*} --type Q4_K_M > "$OUT/make.log" 2>&1
         for tree in ${AB_TREES:-.carry/old .}; do
           echo "{\"tree\": \"$tree\"}" >> "$OUT/ab.jsonl"
@@ -284,7 +287,7 @@ for part in "$@"; do
       for run in $PROFILE_RUNS; do
         IFS=: read -r shape depth opts <<< "$run"
         f=/tmp/strata/synthetic-$shape.gguf
-        while [ ! -f $f ]; do sleep 2; done
+        while [ ! -f $f ] || pgrep -f make_synthetic_gguf.py >/dev/null; do sleep 2; done
         timeout 120 python3 bench/profile_decode.py $f --prompt $depth ${opts//,/ } 2>&1 | grep -v Warn | tee -a "$OUT/profile.jsonl"
       done ;;
     peer)
