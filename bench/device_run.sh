@@ -265,9 +265,8 @@ for part in "$@"; do
       # bench_gpu.py, for each tree of AB_TREES (".carry/old ." by default: an earlier tree's code, then this one's).
       for run in ${AB_RUNS}; do
         f=/tmp/strata/synthetic-${run%%:*}.gguf
-        # The files step may still be writing files: wait for all of them, since writing one slows the host side of
-        # the runs timed meanwhile (session 16: prompts of 4,096 tokens at 12,249-13,216 tokens/s during a write,
-        # 16,302 without one in session 15).
+        # The files step may still be writing files: wait for all of them, so no write competes with a timed run for
+        # the host (session 16's prompts, timed during one, were 19-25% below session 15's on another H100).
         while pgrep -f make_synthetic_gguf.py >/dev/null; do sleep 2; done
         [ -f $f ] || python3 bench/make_synthetic_gguf.py $f --shape ${run%%:*} --type Q4_K_M > "$OUT/make.log" 2>&1
         for tree in ${AB_TREES:-.carry/old .}; do
