@@ -350,8 +350,9 @@ class CupyBackend:
 
     @_op("out")
     def linears(self, x: Any, weights: list[K.GpuWeight], out: Any, biases: list[K.GpuWeight] | None = None) -> None:
-        if x.shape[0] == 1 and biases is None and len(weights) == 2 and K.pair_shapes(*weights) is not None:
-            K.matvec_pair(*weights, self._quantized_input(x), out)
+        shapes = K.pair_shapes(*weights) if x.shape[0] == 1 and biases is None and len(weights) == 2 else None
+        if shapes is not None:
+            K.matvec_pair(*weights, shapes, self._quantized_input(x), out)
             return
         linear_each(self, x, weights, out, biases)
 

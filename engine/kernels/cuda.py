@@ -301,11 +301,11 @@ def pair_shapes(a: GpuWeight, b: GpuWeight) -> tuple[tuple[int, int], tuple[int,
     return shapes if shapes in N.PAIR_SHAPES else None
 
 
-def matvec_pair(a: GpuWeight, b: GpuWeight, q8: Q8, out: Any) -> None:
-    """out (ma + mb,) = a (ma, k) . x, then b (mb, k) . x, in one launch (q8: quantize_q8 of x); pair_shapes must
-    have served them."""
+def matvec_pair(a: GpuWeight, b: GpuWeight, shapes: tuple[tuple[int, int], tuple[int, int]], q8: Q8,
+                out: Any) -> None:
+    """out (ma + mb,) = a (ma, k) . x, then b (mb, k) . x, in one launch (q8: quantize_q8 of x), in the shapes
+    pair_shapes gave them."""
     (ma, k), mb = a.shape, b.shape[0]
-    shapes = pair_shapes(a, b)
     blocks = sum(_blocks(m * wpr, WARPS * rows) for m, (wpr, rows) in zip((ma, mb), shapes))
     launch("matvec", N.pair((a.qtype, b.qtype), shapes), (blocks,), (32 * WARPS,),
            (*a.args(), *b.args(), *q8.args(), out, i32(ma), i32(mb), i32(k)))
