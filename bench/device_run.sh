@@ -2,7 +2,7 @@
 # Usage (on the GPU machine, repo root): bash bench/device_run.sh [warm] [tests] [kernels] [shapes] [prompt] [synthetic] [smol]
 #                                        [archs] [memory] [issue5] [flash] [ram] [cache] [moe] [hybrid] [hybridbench] [kvq8]
 #                                        [ring] [moeab] [peer] [s13] [s13b] [s13c] [phases] [ab] [files] [gputests]
-#                                        [profile]
+#                                        [profile] [kcache]
 # The GPU machine has no network: .whl/ holds the wheels it lacks (gguf; pydantic and its dependencies, which
 # tests/conftest.py's catalog lookup imports; `pip download` them for Python 3.12), and the SmolLM2 GGUF
 # (98 MB, over one call's 64 MB) travels in two parts, .carry/smol.part00 (copied to /tmp/strata by a first call) and
@@ -35,6 +35,10 @@ set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 STRATA_TEST_CACHE=/tmp/strata
 OUT=${OUT:-/tmp/out}; mkdir -p /tmp/strata "$OUT"
+# CuPy's compiled kernels (keyed by source, GPU and NVRTC version): seeded from .carry/kcache.part* where an earlier
+# call's kcache step sent them back, so a fresh machine skips NVRTC for sources it has already built.
+export CUPY_CACHE_DIR=/tmp/kcache
+[ -d $CUPY_CACHE_DIR ] || { mkdir -p $CUPY_CACHE_DIR; ls .carry/kcache.part* >/dev/null 2>&1 && cat .carry/kcache.part* | tar xJ -C $CUPY_CACHE_DIR; }
 LLAMA_BENCH=/tmp/llama.cpp/build/bin/llama-bench
 # Unpack and build llama-bench in the background (`wait` joins it).
 llama_build() {
@@ -289,6 +293,8 @@ for part in "$@"; do
         while [ ! -f $f ] || pgrep -f make_synthetic_gguf.py >/dev/null; do sleep 2; done
         timeout 120 python3 bench/profile_decode.py $f --prompt $depth ${opts//,/ } 2>&1 | grep -v Warn | tee -a "$OUT/profile.jsonl"
       done ;;
+    kcache)  # the kernel cache back to $OUT in parts of 15 MB (kcache.part*), for .carry/ in the next call
+      tar cC $CUPY_CACHE_DIR . | xz -T0 -6 | split -b 15M - "$OUT/kcache.part"; ls -l "$OUT"/kcache.part* ;;
     peer)
       llama_build
       peer_files
