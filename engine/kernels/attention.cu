@@ -769,7 +769,9 @@ __device__ __forceinline__ void attention_decode_deep_impl(
     const int group = n_heads / n_kv, pos = start[0];
     const int first = window > 0 ? max(0, pos - window + 1) : 0;
     const int len = pos + 1 - first;
-    const int per = max(UNIT, (len + UNIT * n_splits - 1) / (UNIT * n_splits) * UNIT);
+    // Keys a split: a tile a warp at least, past that whole tiles, not whole rounds of DEEP_WARPS tiles (which left
+    // 17 of 33 splits busy at 4,097 keys and 128-key rounds; whole tiles keep all 33).
+    const int per = max(UNIT, (len + KT * n_splits - 1) / (KT * n_splits) * KT);
     const int active = (len + per - 1) / per;
     if (split >= active) return;
     const int lo = first + split * per, hi = min(lo + per, pos + 1), cached_hi = min(hi, pos);

@@ -606,11 +606,10 @@ SPLIT_CONTEXT = 8192  # before sm_90: caches from this many positions decode wit
 # 11.06 at 511 keys and 14.4 against 15.3 at 2,047, 24.8 against 16.9 at 4,095 (8B shape, H200).
 DEEP_DECODE_KEYS = 4096
 DEEP_WARPS = 4  # attention.cu DEEP_WARPS
-# Most splits of a KV head's keys for attention_decode_deep. When its last block merged every split alone, 4 KV heads
-# at 4,095 keys took 19.39 us at the 33 splits of one wave, 17.61 at 24 (H100, s14call2_attention.jsonl); with the
-# head's blocks merging together 13.35 us at 16, 13.34 at 24, 13.11 at 32 (H100, caches read from memory,
-# bench/results/2026-12-06_s15call1_attention.jsonl).
-DEEP_MAX_SPLITS = 24
+# Most splits of a KV head's keys for attention_decode_deep (one wave of blocks bounds them first on today's GPUs).
+# With the head's blocks merging together, 4 KV heads at 4,095 keys took 13.35 us at 16 splits (16 busy) and 13.11 at
+# 32 (32 busy) (H100, caches read from memory, bench/results/2026-12-06_s15call1_attention.jsonl).
+DEEP_MAX_SPLITS = MAX_SPLITS
 
 
 def decode_splits(max_tokens: int, n_kv: int) -> int:
