@@ -718,6 +718,21 @@ def attention_decode_deep(q, k, v, cos, sin, neox: bool, k_cache, v_cache, start
            shared_mem=shared)
 
 
+KV_PREFETCH_L2_SHARE = 0.75  # at most this share of L2 is asked for one layer's cache (attention.cu kv_prefetch)
+
+
+def kv_prefetch(k_cache, v_cache, start, scales=None) -> None:
+    """Ask L2 for one layer's cached rows below start[0] (k_cache/v_cache (KV, max_tokens, hd), fp16 or int8 with
+    scales) ahead of its decode attention; nothing when they exceed KV_PREFETCH_L2_SHARE of L2. A hint: no result
+    depends on it."""
+    n_kv, max_tokens, hd = k_cache.shape
+    _, cache = _cache(k_cache, v_cache, scales)
+    most = int(KV_PREFETCH_L2_SHARE * cupy.cuda.Device().attributes["L2CacheSize"])
+    launch("attention", "kv_prefetch", (1,), (32,),
+           (*cache, i32(hd * k_cache.itemsize), i32(0 if scales is None else 2 * scales[0].shape[2]), i32(n_kv),
+            i32(max_tokens), start, i64(most)))
+
+
 def counters(n: int) -> Any:
     """n completion counters for kernels whose last block to finish does a step more (it leaves its counter at
     zero again, so one zeroed buffer serves every launch)."""
