@@ -303,10 +303,6 @@ class Backend(Protocol):
         float32 working space whose contents afterwards are unspecified.
         """
 
-    def prefetch_kv(self, cache: KVCache, layer: int, start: Array, n: int) -> None:
-        """A hint that this layer's `rope_attention` for a chunk of n tokens at start[0] comes next: a backend may
-        begin moving the layer's cache nearer its compute now. No result depends on it."""
-
     def rope_attention(
         self,
         q: Array,

@@ -547,14 +547,6 @@ class CupyBackend:
     def sigmoid_gate(self, x, gate, out, accumulate: bool = False) -> None:
         K.sigmoid_gate(x, gate, out, accumulate)
 
-    @_op()
-    def prefetch_kv(self, cache: KVCache, layer: int, start, n: int) -> None:
-        # Deep decode steps only: there the cache is large and the attention kernel is scheduled too late to read
-        # ahead itself (attention.cu kv_prefetch).
-        if n == 1 and self._deep_decode and K.cluster_decode_attention():
-            scales = (cache.k_scale[layer], cache.v_scale[layer]) if cache.k_scale is not None else None
-            K.kv_prefetch(cache.k[layer], cache.v[layer], start, scales)
-
     @_op("q", "k", "out")
     def rope_attention(self, q, k, v, rope: RopeTable, style: str, cache: KVCache, layer: int, start, out,
                        scale: float, window: int = 0) -> None:

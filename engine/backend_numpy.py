@@ -133,9 +133,6 @@ class NumpyBackend:
     def moe_ffn(self, x, gate_exps: CpuWeight, up_exps: CpuWeight, down_exps: CpuWeight, ids, weights, out, scratch, activation: str = "silu") -> None:
         experts.moe_ffn(x, gate_exps, up_exps, down_exps, ids, weights, out, activation)  # scratch: the GPU's space
 
-    def prefetch_kv(self, cache: KVCache, layer: int, start, n: int) -> None:
-        pass  # the cache is already in host memory
-
     def rope_attention(self, q, k, v, rope: RopeTable, style: str, cache: KVCache, layer: int, start, out,
                        scale: float, window: int = 0) -> None:
         kc, vc, p = cache.k[layer], cache.v[layer], int(start[0])

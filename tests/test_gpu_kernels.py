@@ -406,7 +406,6 @@ def test_attention_decode_deep(start, window, hd, neox, rot, heads, kv, splits):
     def launch(*args, q8=None):
         n = splits or K.deep_decode_splits(2048, kv, hd)
         part = cp.empty(heads * n * (hd + 2), cp.float32)
-        K.kv_prefetch(*args[6:9])  # the deep graph's hint before it: the result must not change
         K.attention_decode_deep(*args, part, done, q8, splits=n)
         assert not done.get().any(), "the merging blocks leave their counters at zero"
 

@@ -106,7 +106,6 @@ def decode_launchers():
         heads, hd, kv, max_tokens = args[0].shape[1], args[0].shape[2], args[6].shape[0], args[6].shape[1]
         n = K.deep_decode_splits(max_tokens, kv, hd, kv="q8_0" if scales else "full")
         part = cp.empty(heads * n * (hd + 2), cp.float32)
-        K.kv_prefetch(*args[6:9], scales)  # the deep graph's hint before it (the q8_0 cache's scales too)
         K.attention_decode_deep(*args, part, K.counters(2 * kv), splits=n, scales=scales)
 
     forms["partial"], forms["split"] = partial, split

@@ -73,7 +73,6 @@ class Attention:
         c = config
         kv, index = cache.layer(layer)
         b: AttentionBuffers = chunk.parts[ATTENTION]
-        backend.prefetch_kv(kv, index, chunk.start, chunk.n)
         self.qkv.run(backend, chunk.h, b.qkv)
         if self.qk_norm is not None:
             q_norm, k_norm = self.qk_norm

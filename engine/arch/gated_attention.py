@@ -61,7 +61,6 @@ class GatedAttention:
         c, n = config, chunk.n
         b: GatedAttentionBuffers = chunk.parts[GATED_ATTENTION]
         bounds = [0, c.q_dim, 2 * c.q_dim, 2 * c.q_dim + c.kv_dim, 2 * c.q_dim + 2 * c.kv_dim]
-        backend.prefetch_kv(cache.kv, self.slot, chunk.start, n)
         self.qkv.run(backend, chunk.h, b.proj)
         q = b.proj[:, : bounds[1]].reshape(n, c.n_heads, c.head_dim)
         gate = b.proj[:, bounds[1] : bounds[2]]

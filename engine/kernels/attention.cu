@@ -769,9 +769,7 @@ __device__ __forceinline__ void attention_decode_deep_impl(
     const int group = n_heads / n_kv, pos = start[0];
     const int first = window > 0 ? max(0, pos - window + 1) : 0;
     const int len = pos + 1 - first;
-    // Keys a split: a tile a warp at least, past that whole tiles, not whole rounds of DEEP_WARPS tiles (which left
-    // 17 of 33 splits busy at 4,097 keys and 128-key rounds; whole tiles keep all 33).
-    const int per = max(UNIT, (len + KT * n_splits - 1) / (KT * n_splits) * KT);
+    const int per = max(UNIT, (len + UNIT * n_splits - 1) / (UNIT * n_splits) * UNIT);
     const int active = (len + per - 1) / per;
     if (split >= active) return;
     const int lo = first + split * per, hi = min(lo + per, pos + 1), cached_hi = min(hi, pos);
@@ -904,37 +902,6 @@ __device__ __forceinline__ void attention_decode_deep_impl(
     deep_phase<PHASES>(5);
     merge_splits_together<D, DEEP_WARPS>(part, done, kvh, n_kv, group, n_splits, split, active, out, xq, xq2, xds);
     deep_phase<PHASES>(6);
-}
-
-// Asks L2 for one layer's cached keys and values (and a q8_0 cache's scales) ahead of the decode attention that reads
-// them (cuda.kv_prefetch). The requests go out before the dependency wait, so the rows arrive while the projections
-// between run and the attention's loads find them in L2; in the model the deep kernel itself is scheduled only about
-// a microsecond before its inputs are ready, too late for its own early loads to hide the cache's reading. A KV
-// head's first min(pos, max_tokens) rows are one contiguous run (a ring holds nothing else). Nothing is asked when
-// they come to more than `most` bytes (more than L2 would keep until the attention reads them).
-#define KV_PREFETCH_PIECE 65536
-extern "C" __global__ void kv_prefetch(const u8* k, const u8* v, const u8* k_scale, const u8* v_scale, int row_bytes,
-                                       int scale_bytes, int n_kv, int max_tokens, const int* start, long long most) {
-    const long rows = min(start[0], max_tokens);
-    if (2L * n_kv * rows * (row_bytes + scale_bytes) <= most) {
-        const u8* bases[4] = {k, v, k_scale, v_scale};
-        for (int r = threadIdx.x; r < 4 * n_kv; r += blockDim.x) {  // a KV head's run of one tensor a thread
-            const int width = r < 2 * n_kv ? row_bytes : scale_bytes;
-            if (width == 0) continue;
-            const u8* run = bases[r / n_kv] + (long)(r % n_kv) * max_tokens * width;
-            const u8* lo = reinterpret_cast<const u8*>((reinterpret_cast<unsigned long long>(run) + 15) & ~15ull);
-            const long len = (run + rows * width - lo) & ~15L;  // bulk requests take 16-byte aligned spans
-            for (long off = 0; off < len; off += KV_PREFETCH_PIECE) {
-#if __CUDA_ARCH__ >= 900
-                asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(lo + off),
-                             "r"((u32)min((long)KV_PREFETCH_PIECE, len - off)) : "memory");
-#else
-                for (long line = off; line < min(off + KV_PREFETCH_PIECE, len); line += 128) prefetch_l2_line(lo + line);
-#endif
-            }
-        }
-    }
-    grid_dependency_sync();
 }
 
 // NAME: kernel_names.deep_decode's; the shared memory the launch asks for: cuda._deep_kernel's.

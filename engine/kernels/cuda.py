@@ -606,10 +606,11 @@ SPLIT_CONTEXT = 8192  # before sm_90: caches from this many positions decode wit
 # 11.06 at 511 keys and 14.4 against 15.3 at 2,047, 24.8 against 16.9 at 4,095 (8B shape, H200).
 DEEP_DECODE_KEYS = 4096
 DEEP_WARPS = 4  # attention.cu DEEP_WARPS
-# Most splits of a KV head's keys for attention_decode_deep (one wave of blocks bounds them first on today's GPUs).
-# With the head's blocks merging together, 4 KV heads at 4,095 keys took 13.35 us at 16 splits (16 busy) and 13.11 at
-# 32 (32 busy) (H100, caches read from memory, bench/results/2026-12-06_s15call1_attention.jsonl).
-DEEP_MAX_SPLITS = MAX_SPLITS
+# Most splits of a KV head's keys for attention_decode_deep. When its last block merged every split alone, 4 KV heads
+# at 4,095 keys took 19.39 us at the 33 splits of one wave, 17.61 at 24 (H100, s14call2_attention.jsonl); with the
+# head's blocks merging together 13.35 us at 16, 13.34 at 24, 13.11 at 32 (H100, caches read from memory,
+# bench/results/2026-12-06_s15call1_attention.jsonl).
+DEEP_MAX_SPLITS = 24
 
 
 def decode_splits(max_tokens: int, n_kv: int) -> int:
@@ -716,21 +717,6 @@ def attention_decode_deep(q, k, v, cos, sin, neox: bool, k_cache, v_cache, start
            (q, k, v, cos, sin, i32(2 * cos.shape[1]), i32(1 if neox else 0), *cache, i32(max_tokens),
             i32(n_heads), i32(n_kv), start, i32(window), f32(scale * LOG2_E), part, done, out, *q8_args(q8)),
            shared_mem=shared)
-
-
-KV_PREFETCH_L2_SHARE = 0.75  # at most this share of L2 is asked for one layer's cache (attention.cu kv_prefetch)
-
-
-def kv_prefetch(k_cache, v_cache, start, scales=None) -> None:
-    """Ask L2 for one layer's cached rows below start[0] (k_cache/v_cache (KV, max_tokens, hd), fp16 or int8 with
-    scales) ahead of its decode attention; nothing when they exceed KV_PREFETCH_L2_SHARE of L2. A hint: no result
-    depends on it."""
-    n_kv, max_tokens, hd = k_cache.shape
-    _, cache = _cache(k_cache, v_cache, scales)
-    most = int(KV_PREFETCH_L2_SHARE * cupy.cuda.Device().attributes["L2CacheSize"])
-    launch("attention", "kv_prefetch", (1,), (32,),
-           (*cache, i32(hd * k_cache.itemsize), i32(0 if scales is None else 2 * scales[0].shape[2]), i32(n_kv),
-            i32(max_tokens), start, i64(most)))
 
 
 def counters(n: int) -> Any:
