@@ -235,79 +235,6 @@ __device__ __forceinline__ bool grouped_tile(int* xrow, const int* __restrict__ 
     }
 FOR_EACH_QUANT(MATMUL_Q)
 
-// Experts kept in RAM for the CPU (engine/cpu/layout.py), streamed to the GPU for a prompt chunk, are read in that
-// layout: 32-value groups row after row. A 4-bit group is 16 bytes, value j in the low nibble of byte j and value
-// j + 16 in the high one (FIFTH: plus 4 bytes a group, bit i the fifth bit of value i). Planes: q = lo, h = hi,
-// s = m or sup, d = d. "nibble": value = d * q + m, float32 d and m a group. "nibble_k": d holds a group's 6-bit
-// scale and min (two bytes), sup each 8 groups' float32 super-block d and dmin, value = (d_s * scale) * q -
-// dmin_s * min. "q6k": those 16 bytes plus 8 (bits 2s, 2s + 1 of byte t the top bits of value t + 8s), d an int8
-// scale per 16 values, sup each 8 groups' float32 d, value = (d_s * scale) * (q - 32). "q8": 32 int8 and a float32
-// d. A row holds whole super-blocks, so group blk's super-block is blk / 8.
-template <bool FIFTH>
-__device__ __forceinline__ void host_nibbles(const Planes& p, long blk, int (&w)[8]) {
-    const uint4 a = ld16(p.q + 16 * blk);
-    const u32 v[4] = {a.x, a.y, a.z, a.w};
-    const u32 qh = FIFTH ? ld4(p.h + 4 * blk) : 0u;
-#pragma unroll
-    for (int t = 0; t < 4; ++t) {
-        w[t] = (v[t] & 0x0F0F0F0Fu) | spread4_to_bit4(qh >> (4 * t));
-        w[t + 4] = ((v[t] >> 4) & 0x0F0F0F0Fu) | spread4_to_bit4(qh >> (16 + 4 * t));
-    }
-}
-
-template <bool FIFTH>
-struct HostNibble {
-    static constexpr int QK = 32;
-    __device__ static void group(const Planes& p, long blk, int, int (&w)[8], float (&sc)[2], float& mn) {
-        host_nibbles<FIFTH>(p, blk, w);
-        sc[0] = sc[1] = __ldg(reinterpret_cast<const float*>(p.d) + blk);
-        mn = __ldg(reinterpret_cast<const float*>(p.s) + blk);
-    }
-};
-
-template <bool FIFTH>
-struct HostNibbleK {
-    static constexpr int QK = 32;
-    __device__ static void group(const Planes& p, long blk, int, int (&w)[8], float (&sc)[2], float& mn) {
-        host_nibbles<FIFTH>(p, blk, w);
-        const u32 scale_min = ld2(p.d + 2 * blk);
-        const float2 sup = __ldg(reinterpret_cast<const float2*>(p.s) + (blk >> 3));
-        sc[0] = sc[1] = sup.x * (float)(scale_min & 0xFFu);
-        mn = -(sup.y * (float)(scale_min >> 8));
-    }
-};
-
-struct HostQ6K {
-    static constexpr int QK = 32;
-    __device__ static void group(const Planes& p, long blk, int, int (&w)[8], float (&sc)[2], float& mn) {
-        const uint4 a = ld16(p.q + 16 * blk);
-        const u32 v[4] = {a.x, a.y, a.z, a.w};
-        const uint2 hv = __ldg(reinterpret_cast<const uint2*>(p.h + 8 * blk));
-#pragma unroll
-        for (int t = 0; t < 8; ++t) {
-            const u32 top = (((t & 1) ? hv.y : hv.x) >> (2 * (t >> 1))) & 0x03030303u;
-            w[t] = sub_bytes(((v[t & 3] >> (4 * (t >> 2))) & 0x0F0F0F0Fu) | (top << 4), 32);
-        }
-        const u32 scales = ld2(p.d + 2 * blk);
-        const float sup = __ldg(reinterpret_cast<const float*>(p.s) + (blk >> 3));
-        sc[0] = sup * (float)(signed char)(scales & 0xFFu);
-        sc[1] = sup * (float)(signed char)(scales >> 8);
-        mn = 0.0f;
-    }
-};
-
-struct HostQ8 {
-    static constexpr int QK = 32;
-    __device__ static void group(const Planes& p, long blk, int, int (&w)[8], float (&sc)[2], float& mn) {
-        u32 v[8];
-        words8(p.q + 32 * blk, v);
-#pragma unroll
-        for (int t = 0; t < 8; ++t) w[t] = v[t];
-        sc[0] = sc[1] = __ldg(reinterpret_cast<const float*>(p.d) + blk);
-        mn = 0.0f;
-    }
-};
-
 #define GROUPED_Q(name, B)                                                                                         \
     extern "C" __global__ void __launch_bounds__(128) grouped_matmul_##name(                                       \
         const u8* q, const u8* h, const u8* s, const u8* d, const u16* x, float* out, const int* tiles, int m,     \
@@ -330,12 +257,7 @@ struct HostQ8 {
         matmul_q<B, true>(Planes{gq, gh, gs, gd}, Planes{uq, uh, us, ud}, x, k, out, m, tile, m, k, act);          \
     }
 FOR_EACH_QUANT(GROUPED_Q)
-GROUPED_Q(cpu_nibble, HostNibble<false>)
-GROUPED_Q(cpu_nibble5, HostNibble<true>)
-GROUPED_Q(cpu_nibble_k, HostNibbleK<false>)
-GROUPED_Q(cpu_nibble5_k, HostNibbleK<true>)
-GROUPED_Q(cpu_q6k, HostQ6K)
-GROUPED_Q(cpu_q8, HostQ8)
+FOR_EACH_HOST_LAYOUT(GROUPED_Q)
 
 // A mixture's chunk sorted by expert, for the grouped products; one block. ids (n_slots,) = the chosen expert of
 // each slot (token * top_k + j). Writes order[pos] = the slot at sorted position pos, where[slot] = its position,

@@ -329,6 +329,79 @@ __device__ __forceinline__ void decode_group(const Planes& p, long row, int k, i
     B::group(p, blk, g % GPB, w, sc, mn);
 }
 
+// Experts kept in RAM for the CPU (engine/cpu/layout.py), streamed to the GPU for a prompt chunk or read over the
+// bus by a decode step, are read in that layout: 32-value groups row after row. A 4-bit group is 16 bytes, value j
+// in the low nibble of byte j and value j + 16 in the high one (FIFTH: plus 4 bytes a group, bit i the fifth bit
+// of value i). Planes: q = lo, h = hi, s = m or sup, d = d. "nibble": value = d * q + m, float32 d and m a group.
+// "nibble_k": d holds a group's 6-bit scale and min (two bytes), sup each 8 groups' float32 super-block d and dmin,
+// value = (d_s * scale) * q - dmin_s * min. "q6k": those 16 bytes plus 8 (bits 2s, 2s + 1 of byte t the top bits of value t + 8s), d an int8
+// scale per 16 values, sup each 8 groups' float32 d, value = (d_s * scale) * (q - 32). "q8": 32 int8 and a float32
+// d. A row holds whole super-blocks, so group blk's super-block is blk / 8.
+template <bool FIFTH>
+__device__ __forceinline__ void host_nibbles(const Planes& p, long blk, int (&w)[8]) {
+    const uint4 a = ld16(p.q + 16 * blk);
+    const u32 v[4] = {a.x, a.y, a.z, a.w};
+    const u32 qh = FIFTH ? ld4(p.h + 4 * blk) : 0u;
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+        w[t] = (v[t] & 0x0F0F0F0Fu) | spread4_to_bit4(qh >> (4 * t));
+        w[t + 4] = ((v[t] >> 4) & 0x0F0F0F0Fu) | spread4_to_bit4(qh >> (16 + 4 * t));
+    }
+}
+
+template <bool FIFTH>
+struct HostNibble {
+    static constexpr int QK = 32;
+    __device__ static void group(const Planes& p, long blk, int, int (&w)[8], float (&sc)[2], float& mn) {
+        host_nibbles<FIFTH>(p, blk, w);
+        sc[0] = sc[1] = __ldg(reinterpret_cast<const float*>(p.d) + blk);
+        mn = __ldg(reinterpret_cast<const float*>(p.s) + blk);
+    }
+};
+
+template <bool FIFTH>
+struct HostNibbleK {
+    static constexpr int QK = 32;
+    __device__ static void group(const Planes& p, long blk, int, int (&w)[8], float (&sc)[2], float& mn) {
+        host_nibbles<FIFTH>(p, blk, w);
+        const u32 scale_min = ld2(p.d + 2 * blk);
+        const float2 sup = __ldg(reinterpret_cast<const float2*>(p.s) + (blk >> 3));
+        sc[0] = sc[1] = sup.x * (float)(scale_min & 0xFFu);
+        mn = -(sup.y * (float)(scale_min >> 8));
+    }
+};
+
+struct HostQ6K {
+    static constexpr int QK = 32;
+    __device__ static void group(const Planes& p, long blk, int, int (&w)[8], float (&sc)[2], float& mn) {
+        const uint4 a = ld16(p.q + 16 * blk);
+        const u32 v[4] = {a.x, a.y, a.z, a.w};
+        const uint2 hv = __ldg(reinterpret_cast<const uint2*>(p.h + 8 * blk));
+#pragma unroll
+        for (int t = 0; t < 8; ++t) {
+            const u32 top = (((t & 1) ? hv.y : hv.x) >> (2 * (t >> 1))) & 0x03030303u;
+            w[t] = sub_bytes(((v[t & 3] >> (4 * (t >> 2))) & 0x0F0F0F0Fu) | (top << 4), 32);
+        }
+        const u32 scales = ld2(p.d + 2 * blk);
+        const float sup = __ldg(reinterpret_cast<const float*>(p.s) + (blk >> 3));
+        sc[0] = sup * (float)(signed char)(scales & 0xFFu);
+        sc[1] = sup * (float)(signed char)(scales >> 8);
+        mn = 0.0f;
+    }
+};
+
+struct HostQ8 {
+    static constexpr int QK = 32;
+    __device__ static void group(const Planes& p, long blk, int, int (&w)[8], float (&sc)[2], float& mn) {
+        u32 v[8];
+        words8(p.q + 32 * blk, v);
+#pragma unroll
+        for (int t = 0; t < 8; ++t) w[t] = v[t];
+        sc[0] = sc[1] = __ldg(reinterpret_cast<const float*>(p.d) + blk);
+        mn = 0.0f;
+    }
+};
+
 // Instantiate MACRO(name, BlockType) for every quantized type.
 #define FOR_EACH_QUANT(MACRO)   \
     MACRO(q4_0, BlockQ4_0)      \
@@ -342,6 +415,15 @@ __device__ __forceinline__ void decode_group(const Planes& p, long row, int k, i
     MACRO(q3_k, BlockQ3_K)      \
     MACRO(iq4_xs, BlockIQ4_XS)  \
     MACRO(iq3_s, BlockIQ3_S)
+
+// Instantiate MACRO(name, BlockType) for every layout of experts kept in RAM (kernel_names.HOST_LAYOUTS).
+#define FOR_EACH_HOST_LAYOUT(MACRO)          \
+    MACRO(cpu_nibble, HostNibble<false>)     \
+    MACRO(cpu_nibble5, HostNibble<true>)     \
+    MACRO(cpu_nibble_k, HostNibbleK<false>)  \
+    MACRO(cpu_nibble5_k, HostNibbleK<true>)  \
+    MACRO(cpu_q6k, HostQ6K)                  \
+    MACRO(cpu_q8, HostQ8)
 
 // Float weight types, 8 consecutive values per read.
 struct WF32 {
@@ -572,3 +654,4 @@ __device__ __forceinline__ Q8Pair q8_round_pair(float a, float b, int width) {
     const u16 dh = f2h(d);
     return {q, dh, q8_pair(q, both_halves(dh))};
 }
+
