@@ -10,13 +10,14 @@ GPU, each step queued before the id it feeds comes back to the host), for a fixe
 The output is measured at the prompt's depth: --prompt 8192 times a prompt of 8,192 tokens, then output from
 position 8,192 on. --attention chunk sends prompt chunks through attention.cu's older chunk path instead of flash
 attention (the before of a comparison); --decode-attention forces decode attention's kernel. --experts-in-ram N
-keeps the routed experts of the first N MoE layers in RAM (the CPU computes them); the line then adds the bytes of
+keeps the routed experts of the first N MoE layers in RAM (the CPU computes them, but for --experts-over-bus of a
+token's experts a layer, which the GPU reads over the bus); the line then adds the bytes of
 those experts a token reads, this machine's host read bandwidth (measured here) and the fraction of that floor
 reached, and the GPU memory in use (total minus free, as NVML counts it) and the process's resident RAM.
 
 Usage: python bench/bench_gpu.py MODEL.gguf [MODEL.gguf ...] [--prompt 512] [--output 128] [--device cuda]
        [--repeats 5] [--attention flash|chunk] [--decode-attention auto|cluster|split|deep] [--experts-in-ram N]
-       [--kv-cache full|q8_0]
+       [--expert-cache-slots N] [--experts-over-bus N] [--kv-cache full|q8_0]
 """
 
 from __future__ import annotations
@@ -271,6 +272,7 @@ def run(path: Path, prompt_len: int, output_len: int, device: str, repeats: int,
             "expert_layers_in_ram": model.info.expert_layers_in_ram,
             # The cache as the last timed run left it (it fills and adapts over the warm-up and the runs).
             "expert_cache": dataclasses.asdict(model.expert_cache()),
+            "experts_over_bus": backend.experts_over_bus,
             "host_expert_bytes_per_token": host_bytes,
             "host_read_gb_per_s": round(host_bw / 1e9, 1),
             "split_floor_output_tokens_per_s": round(split_floor, 1),
@@ -326,10 +328,17 @@ def main() -> None:
                         help="MoE layers whose routed experts stay in RAM, computed by the CPU (the first N)")
     parser.add_argument("--expert-cache-slots", type=int, default=0,
                         help="GPU slots for the most used experts of each layer kept in RAM (engine/expert_cache.py)")
+    parser.add_argument("--experts-over-bus", type=int,
+                        help="of a token's experts in a RAM layer, how many the GPU reads over the bus (default: the "
+                             "backend's EXPERTS_OVER_BUS)")
     parser.add_argument("--kv-cache", choices=("full", "q8_0"), default="full", help="the KV cache's element type")
     args = parser.parse_args()
     if args.device == "cuda":
+        from engine import backend_cupy
         from engine.kernels import cuda
+
+        if args.experts_over_bus is not None:
+            backend_cupy.EXPERTS_OVER_BUS = args.experts_over_bus
 
         if args.attention == "chunk":
             cuda.flash_attention_capable = lambda n_heads, n_kv: False

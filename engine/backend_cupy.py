@@ -49,6 +49,11 @@ GROUPED_MIN_SLOTS_PER_EXPERT = 4
 # From this many tokens on, a chunk copies the experts a layer keeps in RAM to the GPU and computes them there; below,
 # the CPU computes them where they are.
 STREAM_MIN_TOKENS = 32
+# Of a decode token's experts in a layer kept in RAM and not cached on the GPU, how many the GPU reads over the bus
+# (expert_stream.over_bus) while the CPU computes the others from the same memory. A synthetic Qwen3-30B-A3B with 21
+# layers' experts in RAM (8 a token, 16 host cores; bench/RESULTS.md): 3 took the decode step from 12.31 to 7.98 ms
+# on the H200 machine (2: 8.87), from 9.31 to 7.36 ms on an H100 machine (4: 9.09).
+EXPERTS_OVER_BUS = 3
 
 
 def unavailable_reason() -> str | None:
@@ -125,6 +130,8 @@ class CupyBackend:
         self._expert_cache = ExpertCache(0)  # GPU slots for the hottest experts of each layer kept in RAM
         self._host_stage: dict[str, np.ndarray] = {}  # pinned: one token's expert input and output
         self._expert_stream: expert_stream.ExpertStream | None = None  # made with a chunk's first streamed layer
+        self.experts_over_bus = EXPERTS_OVER_BUS  # read when a decode step's graph is made
+        self._bus_weights: dict[int, tuple[K.CpuLayoutWeight, ...]] = {}  # id of a layer's gate -> its over_bus views
         self._closed = False
 
     # ---- memory ----
@@ -215,6 +222,7 @@ class CupyBackend:
             raise EngineError(f"Tensor {tensor.name} cannot be kept in RAM for the CPU: {exc}.") from None
         if weight.planes is not None:
             weight.planes = expert_stream.pin(weight.planes)
+        self._max_k = max(self._max_k, shape[-1])  # the products reading experts over the bus quantize x too
         if self._host_calls is None:
             self._host_calls = HostCalls()
         self._host_weights.append(weight)
@@ -289,6 +297,7 @@ class CupyBackend:
         self._id_slots = None
         self._host_weights.clear()
         self._host_sources.clear()
+        self._bus_weights.clear()
         self._expert_cache.close()
         self._host_stage.clear()
         self._expert_stream = None
@@ -473,10 +482,10 @@ class CupyBackend:
     def _moe_on_host(self, x, gate: CpuWeight, up: CpuWeight, down: CpuWeight, ids, weights, out, hidden,
                      activation: str) -> None:
         """The experts of a layer kept in RAM. One token: the experts the layer's cache holds (engine/expert_cache.py)
-        run on the GPU while the CPU computes the others, handed over in a host call (engine/kernels/host_calls.py,
-        which a decode step's graph captures): the step stays one graph; the CPU's activations are int8 per 32
-        values, as this backend's own kernels round them. A prompt chunk: this thread waits for the routing and the
-        CPU computes every expert."""
+        and the first experts_over_bus of the others, read in place over the bus, run on the GPU while the CPU
+        computes the rest, handed over in a host call (engine/kernels/host_calls.py, which a decode step's graph
+        captures): the step stays one graph; the CPU's activations are int8 per 32 values, as this backend's own
+        kernels round them. A prompt chunk: this thread waits for the routing and the CPU computes every expert."""
         if x.shape[0] > 1:
             self.synchronize()
             xh, idh, wh = (cupy.asnumpy(a, stream=self.stream, blocking=True) for a in (x, ids, weights))
@@ -487,7 +496,10 @@ class CupyBackend:
         stage = self._stage({"x": x, "ids": ids, "weights": weights, "out": out})
         cache = self._expert_cache.layer(gate)
         slots = self._decode_buffer("moe_cache_slots", ids.size, cupy.int32).reshape(ids.shape)
-        K.moe_cache_ids(ids, weights, cache.slot_of, slots, stage["ids"], stage["weights"], cache.uses)
+        bus_ids = self._decode_buffer("moe_bus_ids", ids.size, cupy.int32).reshape(ids.shape)
+        over_bus = self._over_bus((gate, up, down))
+        K.moe_cache_ids(ids, weights, cache.slot_of, self.experts_over_bus if over_bus else 0, slots, bus_ids,
+                        stage["ids"], stage["weights"], cache.uses)
         cupy.cuda.runtime.memcpyAsync(stage["x"].ctypes.data, x.data.ptr, x.nbytes,
                                       cupy.cuda.runtime.memcpyDeviceToHost, self.stream.ptr)
 
@@ -496,10 +508,26 @@ class CupyBackend:
                                 HOST_EXPERT_THREADS, bits=8)
 
         self._host_calls.post((id(gate), id(up), id(down), activation), job)
+        act = ACTIVATIONS[activation]
         if cache.weights is not None:
-            self._expert_products(x, *cache.weights, slots, weights, out, hidden, ACTIVATIONS[activation])
+            self._expert_products(x, *cache.weights, slots, weights, out, hidden, act)
+        bus_out = None
+        if over_bus:  # into out, or beside the cached experts' sum
+            bus_out = out if cache.weights is None else self._decode_buffer("moe_bus_out", out.size, cupy.float32)
+            self._expert_products(x, *over_bus, bus_ids, weights, bus_out.reshape(out.shape), hidden, act)
         self._host_calls.wait()
-        K.add_host_answer(out, stage["out"], add=cache.weights is not None)
+        K.add_host_answer(out, stage["out"], add=cache.weights is not None or bus_out is not None,
+                          extra=None if bus_out is out else bus_out)
+
+    def _over_bus(self, layer: tuple[CpuWeight, CpuWeight, CpuWeight]) -> tuple[K.CpuLayoutWeight, ...]:
+        """The layer's experts as the GPU reads them over the bus, or () where it does not (experts_over_bus 0, or
+        layouts the kernels lack)."""
+        if not self.experts_over_bus or not expert_stream.streamable(layer):
+            return ()
+        key = id(layer[0])
+        if key not in self._bus_weights:
+            self._bus_weights[key] = tuple(expert_stream.over_bus(w) for w in layer)
+        return self._bus_weights[key]
 
     def _stage(self, like: dict[str, Any]) -> dict[str, np.ndarray]:
         """Pinned host arrays shaped as the given one-token arrays, shared by every layer whose experts are in RAM

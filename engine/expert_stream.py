@@ -6,6 +6,9 @@ the copy runs at the bus's speed and asynchronously) into one device staging buf
 products read that layout. The copies run on their own stream, each as soon as the kernels reading the buffer's
 previous layer are done, so they overlap the compute stream's other work (attention, the experts on the GPU); the
 buffer holds one layer, which the fit counts in GPU memory (fit.py).
+
+A decode step's GPU reads a few of a token's experts in place instead (`over_bus`), over the bus, while the CPU
+computes the others from the same memory: the two paths' bandwidths add.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import numpy as np
 
 from engine.cpu import layout
 from engine.cpu.weights import CpuWeight
-from engine.kernels.cuda import StagedWeight
+from engine.kernels.cuda import CpuLayoutWeight
 from engine.kernels.kernel_names import HOST_LAYOUTS
 
 ALIGN = 256  # each plane's start inside the pinned buffer and the staging buffer
@@ -60,6 +63,19 @@ def streamable(weights: Sequence[CpuWeight]) -> bool:
     return suffix(gate.planes) == suffix(up.planes)
 
 
+def over_bus(w: CpuWeight) -> CpuLayoutWeight:
+    """w's planes where `pin` put them, in page-locked RAM, which a GPU kernel reads over the bus."""
+    return _at(w, [a.ctypes.data for a in w.planes.arrays()])
+
+
+def _at(w: CpuWeight, addresses: Sequence[int]) -> CpuLayoutWeight:
+    """w as the GPU kernels read it, its lo, hi, d, m and sup planes at these addresses."""
+    lo, hi, d, m, sup = (np.uintp(a) for a in addresses)
+    # The kernels' s plane: the offsets of "nibble", the super-block scales of the K-quant families.
+    s = sup if w.planes.sup.size else m
+    return CpuLayoutWeight(w.shape, suffix(w.planes), (lo, hi, s, d))
+
+
 class ExpertStream:
     """One device buffer for a layer's experts, filled on a copy stream; `take` before a layer's grouped products,
     `done` after them (with the next layer to prefetch, if any)."""
@@ -70,13 +86,13 @@ class ExpertStream:
         self.copy = cupy.cuda.Stream(non_blocking=True)
         self.copied = cupy.cuda.Event(disable_timing=True)
         self.freed = cupy.cuda.Event(disable_timing=True)
-        self.holds: dict[int, StagedWeight] = {}  # id of each weight in the buffer (or on its way) -> its copy
+        self.holds: dict[int, CpuLayoutWeight] = {}  # id of each weight in the buffer (or on its way) -> its copy
 
     @property
     def nbytes(self) -> int:
         return int(self.buffer.nbytes)
 
-    def take(self, layer: Sequence[CpuWeight], stream: cupy.cuda.Stream) -> list[StagedWeight]:
+    def take(self, layer: Sequence[CpuWeight], stream: cupy.cuda.Stream) -> list[CpuLayoutWeight]:
         """The layer's experts on the device; `stream` waits for their copy."""
         if any(id(w) not in self.holds for w in layer):
             self._fill(layer)
@@ -97,9 +113,6 @@ class ExpertStream:
             cupy.cuda.runtime.memcpyAsync(base, w.planes.lo.ctypes.data, span(w.planes),
                                           cupy.cuda.runtime.memcpyHostToDevice, self.copy.ptr)
             offsets = np.cumsum([0] + [_padded(a.nbytes) for a in w.planes.arrays()])
-            lo, hi, d, m, sup = (np.uintp(base + int(o)) for o in offsets[:5])
-            # The kernels' s plane: the offsets of "nibble", the super-block scales of the K-quant families.
-            s = sup if w.planes.sup.size else m
-            self.holds[id(w)] = StagedWeight(w.shape, suffix(w.planes), (lo, hi, s, d))
+            self.holds[id(w)] = _at(w, [base + int(o) for o in offsets[:5]])
             at += span(w.planes)
         self.copy.record(self.copied)

@@ -3,7 +3,8 @@ inputs with NaN-poisoned outputs: routing (softmax, top-k, renormalization, on r
 expert FFN at one token, at a short
 chunk (a product per token and expert) and at a longer one (grouped products: uniform routing, and a skewed one
 where one expert takes more than a tile of tokens and others none), and the one-token FFN captured in a CUDA graph
-and replayed with new expert ids written to device memory in between.
+and replayed with new expert ids written to device memory in between; a token's experts kept in RAM read over the
+bus by the GPU, beside the CPU's share.
 
 Tolerances: routing ids exact and weights within 1e-5 (float32 softmax in another summation order); the expert
 FFN within 1e-4 relative error against the reference run on the two-level int8 activations the kernels read
@@ -82,8 +83,12 @@ def run_moe_ffn(backend, handles, x, ids, weights, f):
     with backend.stream:
         out = cp.full(x.shape, np.nan, cp.float32)
         scratch = cp.full((n, top_k, 2 * f), np.nan, cp.float32)
-        args = [cp.asarray(a) for a in (x, ids, weights)]
-    backend.moe_ffn(args[0], *handles, *args[1:], out, scratch)
+        args = [cp.asarray(a) for a in (ids, weights)]
+    # x through an op, so the backend knows it is new: a fresh array at the address of an earlier call's x would
+    # otherwise be read through that x's int8 groups, which the backend keeps while nothing it runs writes there.
+    x_dev = backend.empty(x.shape)
+    backend.copy_into(x_dev, x)
+    backend.moe_ffn(x_dev, *handles, *args, out, scratch)
     return backend.to_host(out)
 
 
@@ -141,6 +146,32 @@ def test_moe_ffn_of_experts_in_ram_streamed_to_the_gpu(gate_type, down_type):
         error = rel(run_moe_ffn(backend, handles, x, ids, weights, f), want)
         print(f"{gate_type.name}/{down_type.name} n={n} streamed from RAM: relative error {error:.2e}")
         assert error < 2e-3
+    backend.close()
+
+
+@pytest.mark.parametrize("bus", [4, 2])
+@pytest.mark.parametrize("gate_type,down_type", MIXES[:3], ids=lambda t: t.name)
+def test_moe_ffn_decode_reads_experts_in_ram_over_the_bus(gate_type, down_type, bus):
+    """One token's experts kept in RAM (page-locked, the CPU kernels' layout): the GPU reads `bus` of its 4 experts
+    in place over the bus (the decode products built for those layouts) and the CPU computes the others; two tokens
+    in turn. All 4 over the bus: within the GPU kernels' 1e-4 of the reference; 2 and 2: within 2e-2 (the CPU rounds
+    its activations to one int8 level: up to 8.8e-3 measured on an H100)."""
+    rng = np.random.default_rng()
+    backend = CupyBackend()
+    backend.experts_over_bus = bus
+    n_experts, top_k, f, d = 16, 4, 512, 768
+    tensors = [stacked(name, qtype, shape, rng) for name, qtype, shape in
+               (("gate_exps", gate_type, (n_experts, f, d)), ("up_exps", gate_type, (n_experts, f, d)),
+                ("down_exps", down_type, (n_experts, d, f)))]
+    handles = [backend.upload(t, host=True) for t, _ in tensors]
+    for _ in range(2):
+        x = rng.standard_normal((1, d)).astype(np.float32)
+        ids, weights = routes(1, n_experts, top_k, rng)
+        want = np.empty((1, d), np.float32)
+        reference.moe_ffn(q8_values(x), *(v for _, v in tensors), ids, weights, want, None)
+        error = rel(run_moe_ffn(backend, handles, x, ids, weights, f), want)
+        print(f"{gate_type.name}/{down_type.name}, {bus} of {top_k} experts over the bus: relative error {error:.2e}")
+        assert error < (1e-4 if bus == top_k else 2e-2)
     backend.close()
 
 
@@ -265,6 +296,43 @@ def test_the_hot_expert_cache_fills_serves_and_keeps_the_tokens(tmp_path, monkey
     if slots == 16:  # every expert picked so far has a slot once its copy is mapped; only newcomers miss
         assert cache.recent_hit_rate >= 0.75
     assert_same_or_tied(path, prompt, tokens, base_tokens)
+
+
+def decode_logits(path, prompt, tokens, **load):
+    """The logits of decoding `tokens` one by one after the prompt (teacher-forced, through the captured graph)."""
+    from engine import load_model
+    from engine.generate import decode_one_token, prefill
+
+    model = load_model(path, device="cuda", context_length=128, **load)
+    state = model._state
+    prefill(state, prompt)
+    logits = np.stack([state.backend.to_host(decode_one_token(state, t)).reshape(-1) for t in tokens])
+    model.close()
+    return logits
+
+
+@pytest.mark.parametrize("slots", [0, 5])
+def test_experts_read_over_the_bus_match_the_cpu_s(tmp_path, monkeypatch, slots):
+    """Every layer's experts in RAM, two of each token's four read by the GPU over the bus and the rest computed by
+    the CPU (with slots: those the cache does not hold, refreshed every step), against the same placement with the
+    CPU computing them all: 16 teacher-forced decode steps' logits, each against the all-GPU model's. The bus's
+    share runs the GPU's own kernels, so its logits are no further from the all-GPU ones than the CPU's (whose
+    activations round to one int8 level); a wrong read would be far off."""
+    from engine import backend_cupy, expert_cache
+
+    monkeypatch.setattr(expert_cache, "REFRESH_STEPS", 1)
+    path = tiny_moe(tmp_path, router_skew=2.0 if slots else 0.0)
+    rng = np.random.default_rng(6)
+    prompt, tokens = rng.integers(2, 300, 24).tolist(), rng.integers(2, 300, 16).tolist()
+    base = decode_logits(path, prompt, tokens)
+    placed = dict(expert_layers_in_ram=4, expert_cache_slots=slots)
+    cpu = decode_logits(path, prompt, tokens, **placed)
+    monkeypatch.setattr(backend_cupy, "EXPERTS_OVER_BUS", 2)
+    bus = decode_logits(path, prompt, tokens, **placed)
+    cpu_error, bus_error = (float(np.abs(x - base).max() / np.ptp(base)) for x in (cpu, bus))
+    print(f"{slots} slots a layer: decode logits off the all-GPU model's by {cpu_error:.2e} of the range with the "
+          f"CPU computing the experts, {bus_error:.2e} with 2 a token over the bus")
+    assert bus_error <= 1.5 * cpu_error + 1e-5
 
 
 def test_a_failing_host_call_is_raised_where_the_stream_is_waited_for():

@@ -334,23 +334,28 @@ def matvec_glu(gate: GpuWeight, up: GpuWeight, x: Any, q8: Q8 | None, out: Any, 
         quantize_q8(out, q8_out)
 
 
-def moe_gate_up(gate: GpuWeight, up: GpuWeight, x: Any, q8: Q8 | None, ids: Any, hidden: Any, act: int) -> None:
+def moe_gate_up(gate: GpuWeight | CpuLayoutWeight, up: GpuWeight | CpuLayoutWeight, x: Any, q8: Q8 | None, ids: Any,
+                hidden: Any, act: int) -> None:
     """hidden (n * top_k, f) = act(gate_e . x[token]) * (up_e . x[token]) for each token's chosen experts e =
-    ids (n, top_k); gate, up: stacked (n_experts, f, k) weights of one type; quantized ones read q8 (x's)."""
+    ids (n, top_k); gate, up: stacked (n_experts, f, k) weights of one type or layout; quantized ones read q8 (x's)."""
     _, f, k = gate.shape
     slots = ids.size
     src = q8.args() if gate.quantized else (x,)
-    launch("matvec", N.typed("moe_gate_up", gate.qtype), (_blocks(f, WARPS), slots), (32 * WARPS,),
+    name = (N.host_moe("moe_gate_up", gate.suffix) if isinstance(gate, CpuLayoutWeight)
+            else N.typed("moe_gate_up", gate.qtype))
+    launch("matvec", name, (_blocks(f, WARPS), slots), (32 * WARPS,),
            (*gate.args(), *up.args(), *src, ids, i32(ids.shape[1]), hidden, i32(f), i32(k), i32(act)))
 
 
-def moe_down(down: GpuWeight, hidden: Any, q8: Q8 | None, ids: Any, weights: Any, out: Any) -> None:
+def moe_down(down: GpuWeight | CpuLayoutWeight, hidden: Any, q8: Q8 | None, ids: Any, weights: Any, out: Any) -> None:
     """out (n, d) = sum_j weights[:, j] * down_e . hidden[token * top_k + j], e = ids[:, j]; down: stacked
     (n_experts, d, f); quantized ones read q8 (hidden's)."""
     _, d, f = down.shape
     n, top_k = ids.shape
     src = q8.args() if down.quantized else (hidden,)
-    launch("matvec", N.typed("moe_down", down.qtype), (_blocks(d, WARPS), n), (32 * WARPS,), (*down.args(), *src, ids, weights, i32(top_k), out, i32(d), i32(f)))
+    name = N.host_moe("moe_down", down.suffix) if isinstance(down, CpuLayoutWeight) else N.typed("moe_down", down.qtype)
+    launch("matvec", name, (_blocks(d, WARPS), n), (32 * WARPS,),
+           (*down.args(), *src, ids, weights, i32(top_k), out, i32(d), i32(f)))
 
 
 def moe_route(logits: Any, top_k: int, normalize: bool, weights_out: Any, ids_out: Any) -> None:
@@ -452,19 +457,21 @@ def moe_group(ids: Any, n_experts: int, order: Any, where: Any, tiles: Any) -> N
 
 
 @dataclass
-class StagedWeight:
-    """Stacked experts in the CPU kernels' layout copied to device memory for a prompt chunk (engine/expert_stream.py);
-    the grouped products read them as they read a GpuWeight."""
+class CpuLayoutWeight:
+    """Stacked experts in the CPU kernels' layout where the GPU reads them (engine/expert_stream.py): copied to device
+    memory for a prompt chunk's grouped products, or in page-locked RAM, read over the bus by a decode step's
+    expert products. Those kernels read them as they read a GpuWeight."""
 
     shape: tuple[int, ...]
     suffix: str  # one of kernel_names.HOST_LAYOUTS
-    planes: tuple[Any, Any, Any, Any]  # device addresses (np.uintp) of the q, h, s, d planes
+    planes: tuple[Any, Any, Any, Any]  # addresses (np.uintp) of the q, h, s, d planes
+    quantized = True
 
     def args(self) -> tuple[Any, ...]:
         return self.planes
 
 
-def grouped_matmul_glu(gate: GpuWeight | StagedWeight, up: GpuWeight | StagedWeight, x: Any, tiles: Any, order: Any,
+def grouped_matmul_glu(gate: GpuWeight | CpuLayoutWeight, up: GpuWeight | CpuLayoutWeight, x: Any, tiles: Any, order: Any,
                        top_k: int, out: Any, act: int) -> None:
     """out (n_slots, f) fp16, sorted slot pos = act(gate_e . x[token]) * (up_e . x[token]), slot order[pos] =
     token * top_k + j routed to expert e; x (n, k) fp16; gate, up stacked (n_experts, f, k)."""
@@ -473,7 +480,7 @@ def grouped_matmul_glu(gate: GpuWeight | StagedWeight, up: GpuWeight | StagedWei
            (*gate.args(), *up.args(), x, out, tiles, order, i32(top_k), i32(f), i32(k), i32(act)))
 
 
-def grouped_matmul(w: GpuWeight | StagedWeight, x: Any, tiles: Any, out: Any) -> None:
+def grouped_matmul(w: GpuWeight | CpuLayoutWeight, x: Any, tiles: Any, out: Any) -> None:
     """out (n_slots, m) float32 = w_e . x[pos] for each sorted row pos of expert e; x (n_slots, k) fp16; w stacked
     (n_experts, m, k)."""
     _, m, k = w.shape
@@ -905,17 +912,22 @@ def host_call_wait(state: np.ndarray) -> None:
     kernel("host_call", "host_call_wait")((1,), (1,), (np.uintp(state.ctypes.data),))
 
 
-def add_host_answer(out: Any, answer: np.ndarray, add: bool) -> None:
-    """out (+)= answer, a page-locked float32 array the size of out the GPU reads over the bus."""
+def add_host_answer(out: Any, answer: np.ndarray, add: bool, extra: Any = None) -> None:
+    """out (+)= answer (+ extra), answer a page-locked float32 array the size of out the GPU reads over the bus,
+    extra (optional) another device array of that size."""
     launch("host_call", "add_host_answer", (_blocks(out.size, 256),), (256,),
-           (out, np.uintp(answer.ctypes.data), i32(out.size), i32(1 if add else 0)))
+           (out, np.uintp(answer.ctypes.data), np.uintp(0) if extra is None else extra, i32(out.size),
+            i32(1 if add else 0)))
 
 
-def moe_cache_ids(ids: Any, weights: Any, slot_of: Any, slots: Any, host_ids: np.ndarray, host_weights: np.ndarray,
-                  uses: Any) -> None:
+def moe_cache_ids(ids: Any, weights: Any, slot_of: Any, bus: int, slots: Any, bus_ids: Any, host_ids: np.ndarray,
+                  host_weights: np.ndarray, uses: Any) -> None:
     """One token's picks ids/weights (1, top_k) split by the cache map slot_of (n_experts,): slots (top_k,) for the
-    GPU, host_ids/host_weights (page-locked, top_k) for the CPU, uses (n_experts + 1,) counted."""
+    GPU's cache, the first `bus` misses in bus_ids (top_k,) for the GPU to read over the bus, host_ids/host_weights
+    (page-locked, top_k) for the CPU, uses (n_experts + 1,) counted."""
     top_k = ids.size
+    if top_k > 32:
+        raise ValueError(f"moe_cache_ids takes at most 32 picks a token, not {top_k}")
     launch("sampling", "moe_cache_ids", (1,), (32,),
-           (ids, weights, slot_of, i32(top_k), i32(slot_of.size), slots, np.uintp(host_ids.ctypes.data),
-            np.uintp(host_weights.ctypes.data), uses))
+           (ids, weights, slot_of, i32(top_k), i32(slot_of.size), i32(bus), slots, bus_ids,
+            np.uintp(host_ids.ctypes.data), np.uintp(host_weights.ctypes.data), uses))

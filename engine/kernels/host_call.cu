@@ -26,10 +26,11 @@ extern "C" __global__ void host_call_post(volatile long long* state, long long j
 
 extern "C" __global__ void host_call_wait(volatile long long* state) { wait_answer(state); }
 
-// out[i] (+)= answer[i]: a host job's result read from page-locked memory, added to what the GPU computed (add) or
-// taking its place.
-extern "C" __global__ void add_host_answer(float* __restrict__ out, const volatile float* answer, int n, int add) {
+// out[i] (+)= answer[i] (+ extra[i]): a host job's result read from page-locked memory, added to what the GPU
+// computed (add; extra, where not null, a second part of it) or taking its place.
+extern "C" __global__ void add_host_answer(float* __restrict__ out, const volatile float* answer,
+                                           const float* __restrict__ extra, int n, int add) {
     grid_dependency_sync();
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
-        out[i] = (add ? out[i] : 0.0f) + answer[i];
+        out[i] = (add ? out[i] : 0.0f) + (extra != nullptr ? extra[i] : 0.0f) + answer[i];
 }

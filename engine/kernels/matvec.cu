@@ -470,6 +470,7 @@ __device__ __forceinline__ void moe_down_q(const Planes& w, const signed char* _
         moe_down_q<B>(Planes{q, h, s, d}, xq, xq2, xds, ids, weights, top_k, out, dim, f);                     \
     }
 FOR_EACH_QUANT(MOE_Q)
+FOR_EACH_HOST_LAYOUT(MOE_Q)  // a decode step's experts read over the bus from page-locked RAM
 
 #define MOE_F(name, W)                                                                                         \
     extern "C" __global__ void moe_gate_up_##name(const W::T* w, const W::T* w2, const float* x, const int* ids, \
