@@ -515,8 +515,8 @@ def _why_fits(e: MemoryEstimate, target: int, budget: _Budget, cpu_speed: float,
     elif e.level == "gpu+ram":
         text = (
             f"Runs on the GPU ({budget.gpu_name}) with the experts of {e.expert_layers_in_ram} of its layers in RAM, "
-            f"where the CPU computes them (reading {gb(e.ram_expert_bytes_per_token)} of them per generated token, "
-            f"so RAM bandwidth sets the speed): {gb(e.vram_bytes)} of VRAM and {gb(e.ram_required_bytes)} of RAM "
+            f"where the CPU computes most of them and the GPU reads a few a token over the bus (reading "
+            f"{gb(e.ram_expert_bytes_per_token)} of them per generated token, so RAM bandwidth sets the speed): {gb(e.vram_bytes)} of VRAM and {gb(e.ram_required_bytes)} of RAM "
             f"with {tokens}"
         )
         if e.expert_cache_slots:

@@ -94,7 +94,8 @@ def run(runtime: Runtime, args: StartInput, reporter: Reporter) -> StartOutput:
             "next: chat."
         )
         if status.expert_layers_in_ram:
-            summary += f" The experts of {status.expert_layers_in_ram} layers are in RAM, computed by the CPU"
+            summary += (f" The experts of {status.expert_layers_in_ram} layers are in RAM, computed by the CPU "
+                        "(a few of each token's read by the GPU over the bus)")
             cache = status.expert_cache
             summary += (f"; the GPU holds the {cache.slots_per_layer} most picked of each such layer as well."
                         if cache is not None and cache.slots_per_layer else ".")
