@@ -103,7 +103,7 @@ N = kernel_names
 SAMPLE = {
     "typed": lambda kind: N.typed(kind, N.PER_TYPE[kind][1][0]),
     "grouped": lambda kind: N.grouped(kind, N.HOST_LAYOUTS[0]),
-    "host_moe": lambda kind: N.host_moe(kind, N.HOST_LAYOUTS[0]),
+    "moe": lambda kind: N.moe(kind, N.HOST_LAYOUTS[0]),
     "shaped": lambda kind: N.shaped(kind, N.QUANT_TYPES[0], N.SHAPES[kind][0]),
     "per_head_dim": lambda kind: N.per_head_dim(kind, N.HEAD_DIMS[0]),
     "per_group": lambda kind: N.per_group(kind, N.HEAD_DIMS[0], 4),

@@ -341,9 +341,7 @@ def moe_gate_up(gate: GpuWeight | CpuLayoutWeight, up: GpuWeight | CpuLayoutWeig
     _, f, k = gate.shape
     slots = ids.size
     src = q8.args() if gate.quantized else (x,)
-    name = (N.host_moe("moe_gate_up", gate.suffix) if isinstance(gate, CpuLayoutWeight)
-            else N.typed("moe_gate_up", gate.qtype))
-    launch("matvec", name, (_blocks(f, WARPS), slots), (32 * WARPS,),
+    launch("matvec", N.moe("moe_gate_up", gate.suffix), (_blocks(f, WARPS), slots), (32 * WARPS,),
            (*gate.args(), *up.args(), *src, ids, i32(ids.shape[1]), hidden, i32(f), i32(k), i32(act)))
 
 
@@ -353,8 +351,7 @@ def moe_down(down: GpuWeight | CpuLayoutWeight, hidden: Any, q8: Q8 | None, ids:
     _, d, f = down.shape
     n, top_k = ids.shape
     src = q8.args() if down.quantized else (hidden,)
-    name = N.host_moe("moe_down", down.suffix) if isinstance(down, CpuLayoutWeight) else N.typed("moe_down", down.qtype)
-    launch("matvec", name, (_blocks(d, WARPS), n), (32 * WARPS,),
+    launch("matvec", N.moe("moe_down", down.suffix), (_blocks(d, WARPS), n), (32 * WARPS,),
            (*down.args(), *src, ids, weights, i32(top_k), out, i32(d), i32(f)))
 
 
@@ -471,8 +468,8 @@ class CpuLayoutWeight:
         return self.planes
 
 
-def grouped_matmul_glu(gate: GpuWeight | CpuLayoutWeight, up: GpuWeight | CpuLayoutWeight, x: Any, tiles: Any, order: Any,
-                       top_k: int, out: Any, act: int) -> None:
+def grouped_matmul_glu(gate: GpuWeight | CpuLayoutWeight, up: GpuWeight | CpuLayoutWeight, x: Any, tiles: Any,
+                       order: Any, top_k: int, out: Any, act: int) -> None:
     """out (n_slots, f) fp16, sorted slot pos = act(gate_e . x[token]) * (up_e . x[token]), slot order[pos] =
     token * top_k + j routed to expert e; x (n, k) fp16; gate, up stacked (n_experts, f, k)."""
     _, f, k = gate.shape

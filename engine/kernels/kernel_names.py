@@ -22,8 +22,6 @@ PER_TYPE = {
     "matvec": ("matvec", FLOAT_WEIGHTS),  # quantized weights have shaped() and stream() products
     "matvec_glu": ("matvec", FLOAT_WEIGHTS),
     "matvec_glu_q8": ("matvec", QUANT_TYPES),
-    "moe_gate_up": ("matvec", ALL_TYPES),
-    "moe_down": ("matvec", ALL_TYPES),
     "matmul": ("matmul", QUANT_TYPES),
     "matmul_glu": ("matmul", QUANT_TYPES),
 }
@@ -33,7 +31,10 @@ PER_TYPE = {
 GROUPED_KINDS = ("grouped_matmul", "grouped_matmul_glu")
 HOST_LAYOUTS = ("cpu_nibble", "cpu_nibble5", "cpu_nibble_k", "cpu_nibble5_k", "cpu_q6k", "cpu_q8")
 _GROUPED_SUFFIXES = (*(KERNEL_SUFFIX[t] for t in QUANT_TYPES), *HOST_LAYOUTS)
-MOE_KINDS = ("moe_gate_up", "moe_down")  # also built for HOST_LAYOUTS (host_moe)
+# A decode step's expert products (matvec.cu MOE_Q, MOE_F), built per weight type and for the layouts of experts
+# read over the bus from RAM.
+MOE_KINDS = ("moe_gate_up", "moe_down")
+_MOE_SUFFIXES = (*(KERNEL_SUFFIX[t] for t in ALL_TYPES), *HOST_LAYOUTS)
 # Quantized decode products of matvec.cu by kernel shape: kind -> (warps per row set, rows per set).
 SHAPES = {"matvec": ((1, 1), (2, 1), (1, 2), (2, 2)), "matvec_glu": ((1, 1), (2, 1), (1, 2))}
 SWEEP_SHAPES = {"matvec": ((4, 1),), "matvec_glu": ((4, 1), (2, 2))}  # matvec.cu, #ifdef SWEEP_KERNELS
@@ -93,10 +94,10 @@ def grouped(kind: str, suffix: str) -> str:
     return f"{kind}_{suffix}"
 
 
-def host_moe(kind: str, suffix: str) -> str:
-    """A decode step's expert products on experts read over the bus in the CPU kernels' layout (matvec.cu MOE_Q)."""
-    if kind not in MOE_KINDS or suffix not in HOST_LAYOUTS:
-        raise ValueError(f"{kind} has no kernel for experts in the {suffix} layout")
+def moe(kind: str, suffix: str) -> str:
+    """suffix: a weight type's (gpu_layout.KERNEL_SUFFIX) or one of HOST_LAYOUTS."""
+    if kind not in MOE_KINDS or suffix not in _MOE_SUFFIXES:
+        raise ValueError(f"{kind} has no kernel for {suffix} weights")
     return f"{kind}_{suffix}"
 
 
@@ -200,7 +201,7 @@ def built(capability: int, sweep: bool = False) -> dict[str, set[str]]:
     for kind, (module, types) in PER_TYPE.items():
         add(module, {typed(kind, t) for t in types})
     add("matmul", {grouped(kind, suffix) for kind in GROUPED_KINDS for suffix in _GROUPED_SUFFIXES})
-    add("matvec", {host_moe(kind, suffix) for kind in MOE_KINDS for suffix in HOST_LAYOUTS})
+    add("matvec", {moe(kind, suffix) for kind in MOE_KINDS for suffix in _MOE_SUFFIXES})
     add("dequant", {dequant(t, half) for t in ALL_TYPES for half in (False, True)})
     add("hybrid", {delta_rule(dk) for dk in DELTA_KEY_DIMS} | {delta_step(dk) for dk in DELTA_KEY_DIMS})
     if capability >= DELTA_CHUNK_OLDEST:

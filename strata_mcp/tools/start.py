@@ -30,8 +30,8 @@ class StartInput(ToolInput):
     vram_gb: float | None = Field(
         None, gt=0, le=4096,
         description="GPU memory the model may use, in GB; default: the GPU's free memory. A mixture of experts that "
-        "does not fit keeps the experts of some layers in RAM, where the CPU computes them (choose_model's fit picks "
-        "how many).",
+        "does not fit keeps the experts of some layers in RAM, where the CPU computes most of them (choose_model's "
+        "fit picks how many).",
     )
     kv_cache: KvCacheType = Field(
         "full", description="The KV cache's type: full, or q8_0, which halves the GPU's KV-cache memory so a longer "
