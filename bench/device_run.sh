@@ -2,7 +2,7 @@
 # Usage (on the GPU machine, repo root): bash bench/device_run.sh [warm] [tests] [kernels] [shapes] [prompt] [synthetic] [smol]
 #                                        [archs] [memory] [issue5] [flash] [ram] [cache] [moe] [hybrid] [hybridbench] [kvq8]
 #                                        [ring] [moeab] [peer] [s13] [s13b] [s13c] [phases] [ab] [files] [gputests]
-#                                        [profile] [kcache] [bus]
+#                                        [profile] [kcache] [bus] [peerbuild]
 # The GPU machine has no network: .whl/ holds the wheels it lacks (gguf; pydantic and its dependencies, which
 # tests/conftest.py's catalog lookup imports; `pip download` them for Python 3.12), and the SmolLM2 GGUF
 # (98 MB, over one call's 64 MB) travels in two parts, .carry/smol.part00 (copied to /tmp/strata by a first call) and
@@ -42,7 +42,7 @@ export CUPY_CACHE_DIR=/tmp/kcache
 LLAMA_BENCH=/tmp/llama.cpp/build/bin/llama-bench
 # Unpack and build llama-bench in the background (`wait` joins it).
 llama_build() {
-  [ -x $LLAMA_BENCH ] && return
+  [ -d /tmp/llama.cpp ] && return  # built, or being built by an earlier step of this call
   tar xJf .carry/llama.cpp.tar.xz -C /tmp || return 1
   gen=Ninja; command -v ninja >/dev/null || gen="Unix Makefiles"
   (cd /tmp/llama.cpp && cmake -S . -B build -G "$gen" -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF \
@@ -52,7 +52,8 @@ llama_build() {
 peer_files() {
   for shape in ${PEER_SHAPES:-qwen3-8b qwen3-30b-a3b qwen3.6-35b-a3b}; do
     f=/tmp/strata/peer-$shape.gguf
-    [ -f "$f" ] || python3 bench/make_synthetic_gguf.py "$f" --shape $shape --type Q4_K_M --tokenizer .carry/smollm2-tokenizer.gguf
+    [ -f "$f" ] || { python3 bench/make_synthetic_gguf.py "$f.tmp" --shape $shape --type Q4_K_M \
+      --tokenizer .carry/smollm2-tokenizer.gguf >> "$OUT/make.log" 2>&1 && mv "$f.tmp" "$f"; }
   done
 }
 for part in "$@"; do
@@ -304,10 +305,12 @@ for part in "$@"; do
       done ;;
     kcache)  # the kernel cache back to $OUT in parts of 15 MB (kcache.part*), for .carry/ in the next call
       tar cC $CUPY_CACHE_DIR . | xz -T0 -6 | split -b 15M - "$OUT/kcache.part"; ls -l "$OUT"/kcache.part* ;;
+    peerbuild)  # the peer step's build and files started in the background, for steps between to overlap them
+      llama_build; peer_files & ;;
     peer)
       llama_build
+      wait  # for a peerbuild step's build and files
       peer_files
-      wait
       for run in ${PEER_RUNS:-qwen3-8b:512:128}; do
         IFS=: read -r shape p n ram <<< "$run"
         timeout 400 python3 bench/peer_llamacpp.py /tmp/strata/peer-$shape.gguf --llama-bench $LLAMA_BENCH --prompt $p \
