@@ -49,10 +49,11 @@ GROUPED_MIN_SLOTS_PER_EXPERT = 4
 # From this many tokens on, a chunk copies the experts a layer keeps in RAM to the GPU and computes them there; below,
 # the CPU computes them where they are.
 STREAM_MIN_TOKENS = 32
-# Of a decode token's experts in a layer kept in RAM and not cached on the GPU, how many the GPU reads over the bus
-# (expert_stream.over_bus) while the CPU computes the others from the same memory. A synthetic Qwen3-30B-A3B with 21
-# layers' experts in RAM (8 a token, 16 host cores; bench/RESULTS.md): 3 took the decode step from 12.31 to 7.98 ms
-# on the H200 machine (2: 8.87), from 9.31 to 7.36 ms on an H100 machine (4: 9.09).
+# Of a decode token's experts in a layer kept in RAM, when the GPU caches none of them, how many the GPU reads over
+# the bus (expert_stream.over_bus) while the CPU computes the others from the same memory; of fewer misses it reads
+# the same share (sampling.cu moe_cache_ids). A synthetic Qwen3-30B-A3B with 21 layers' experts in RAM (8 a token,
+# 16 host cores; bench/RESULTS.md): 3 took the decode step from 12.31 to 7.98 ms on the H200 machine (2: 8.87), from
+# 9.31 to 7.36 ms on an H100 machine (4: 9.09).
 EXPERTS_OVER_BUS = 3
 
 
@@ -482,7 +483,7 @@ class CupyBackend:
     def _moe_on_host(self, x, gate: CpuWeight, up: CpuWeight, down: CpuWeight, ids, weights, out, hidden,
                      activation: str) -> None:
         """The experts of a layer kept in RAM. One token: the experts the layer's cache holds (engine/expert_cache.py)
-        and the first experts_over_bus of the others, read in place over the bus, run on the GPU while the CPU
+        and experts_over_bus of every top_k others, read in place over the bus, run on the GPU while the CPU
         computes the rest, handed over in a host call (engine/kernels/host_calls.py, which a decode step's graph
         captures): the step stays one graph; the CPU's activations are int8 per 32 values, as this backend's own
         kernels round them. A prompt chunk: this thread waits for the routing and the CPU computes every expert."""

@@ -4,7 +4,8 @@ expert FFN at one token, at a short
 chunk (a product per token and expert) and at a longer one (grouped products: uniform routing, and a skewed one
 where one expert takes more than a tile of tokens and others none), and the one-token FFN captured in a CUDA graph
 and replayed with new expert ids written to device memory in between; a token's experts kept in RAM read over the
-bus by the GPU, beside the CPU's share.
+bus by the GPU, beside the CPU's share, and the rule that splits a token's picks between the GPU's cache, the bus
+and the CPU.
 
 Tolerances: routing ids exact and weights within 1e-5 (float32 softmax in another summation order); the expert
 FFN within 1e-4 relative error against the reference run on the two-level int8 activations the kernels read
@@ -147,6 +148,38 @@ def test_moe_ffn_of_experts_in_ram_streamed_to_the_gpu(gate_type, down_type):
         print(f"{gate_type.name}/{down_type.name} n={n} streamed from RAM: relative error {error:.2e}")
         assert error < 2e-3
     backend.close()
+
+
+@pytest.mark.parametrize("top_k", [4, 8])
+def test_moe_cache_ids_splits_a_token_s_picks_between_cache_bus_and_host(top_k):
+    """sampling.cu moe_cache_ids against reference.moe_cache_ids: every bus count 0..top_k, caches holding none, some
+    and all of the picks (random maps, fresh picks each trial): slots, bus ids and host ids exact, the host's
+    weights the picks', and the counts of picks and of cache hits."""
+    import cupyx
+
+    from engine.kernels import cuda as K
+
+    rng = np.random.default_rng()
+    n_experts = 64
+    host_ids, host_weights = cupyx.empty_pinned(top_k, np.int32), cupyx.empty_pinned(top_k, np.float32)
+    for bus in range(top_k + 1):
+        for cached in (0.0, 0.3, 0.7, 1.0):
+            ids = rng.choice(n_experts, top_k, replace=False).astype(np.int32)
+            weights = rng.random(top_k).astype(np.float32)
+            slot_of = np.where(rng.random(n_experts) < cached, rng.integers(0, 32, n_experts), -1).astype(np.int32)
+            slots, bus_ids = cp.full(top_k, 7, cp.int32), cp.full(top_k, 7, cp.int32)
+            host_ids[...], host_weights[...] = 7, np.nan
+            uses = cp.zeros(n_experts + 1, cp.uint32)
+            K.moe_cache_ids(cp.asarray(ids[None]), cp.asarray(weights[None]), cp.asarray(slot_of), bus, slots, bus_ids,
+                            host_ids, host_weights, uses)
+            cp.cuda.get_current_stream().synchronize()
+            want = reference.moe_cache_ids(ids, slot_of, bus)
+            for name, got, expected in zip(("slots", "bus ids", "host ids"), (slots.get(), bus_ids.get(), host_ids),
+                                           want):
+                assert np.array_equal(got, expected), f"{name}: {got} != {expected} (bus {bus}, map {slot_of[ids]})"
+            assert np.array_equal(host_weights, weights)
+            counts = np.bincount(ids, minlength=n_experts)
+            assert np.array_equal(uses.get(), np.append(counts, (slot_of[ids] >= 0).sum()).astype(np.uint32))
 
 
 @pytest.mark.parametrize("bus", [4, 2])

@@ -920,8 +920,9 @@ def add_host_answer(out: Any, answer: np.ndarray, add: bool, extra: Any = None) 
 def moe_cache_ids(ids: Any, weights: Any, slot_of: Any, bus: int, slots: Any, bus_ids: Any, host_ids: np.ndarray,
                   host_weights: np.ndarray, uses: Any) -> None:
     """One token's picks ids/weights (1, top_k) split by the cache map slot_of (n_experts,): slots (top_k,) for the
-    GPU's cache, the first `bus` misses in bus_ids (top_k,) for the GPU to read over the bus, host_ids/host_weights
-    (page-locked, top_k) for the CPU, uses (n_experts + 1,) counted."""
+    GPU's cache, the first misses in bus_ids (top_k,) for the GPU to read over the bus (`bus` of top_k misses, the
+    same share of fewer), host_ids/host_weights (page-locked, top_k) for the CPU, uses (n_experts + 1,) counted;
+    reference.moe_cache_ids is the rule."""
     top_k = ids.size
     if top_k > 32:
         raise ValueError(f"moe_cache_ids takes at most 32 picks a token, not {top_k}")

@@ -101,6 +101,19 @@ def moe_ffn(
         out[rows] += (hidden @ down_exps[expert].T) * weights[rows, slots, None]
 
 
+def moe_cache_ids(ids: np.ndarray, slot_of: np.ndarray, bus: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One token's picks ids (top_k,) split for a layer whose experts live in RAM, slot_of (n_experts,) the GPU
+    cache's map (-1: not cached): (slots, bus_ids, host_ids), each (top_k,) with -1 where the pick goes elsewhere.
+    Cached picks take their slot; of the misses, in pick order, the first round(misses * bus / top_k) (halves up)
+    go over the bus and the rest to the host."""
+    top_k = ids.size
+    slots = slot_of[ids].astype(np.int32)
+    missed = slots < 0
+    share = (int(missed.sum()) * bus + top_k // 2) // top_k
+    over_bus = missed & (np.cumsum(missed) <= share)
+    return slots, np.where(over_bus, ids, -1).astype(np.int32), np.where(missed & ~over_bus, ids, -1).astype(np.int32)
+
+
 def rope_tables(inv_freq: np.ndarray, max_positions: int, attn_factor: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
     """cos and sin of p * inv_freq[i], each (max_positions, len(inv_freq)) float32, times attn_factor."""
     angles = np.outer(np.arange(max_positions, dtype=np.float64), inv_freq.astype(np.float64))

@@ -254,8 +254,10 @@ extern "C" __global__ void moe_route(const float* __restrict__ logits, long stri
 
 // One token's chosen experts of a layer whose experts live in RAM, some cached on the GPU (engine/expert_cache.py):
 // slot_of[e] is expert e's slot in the layer's cache or -1. The GPU computes the cached ones (slots, -1 for the
-// others) and the first `bus` of the others, reading them over the bus (bus_ids, -1 for the rest); the host the
-// rest, from page-locked memory this writes directly (host_ids, -1 for the others, and the routing weights).
+// others) and the first of the others, reading them over the bus (bus_ids, -1 for the rest); the host the rest,
+// from page-locked memory this writes directly (host_ids, -1 for the others, and the routing weights). The bus
+// takes `bus` of top_k misses, and of fewer misses the same share, rounded to nearest: the bus and the host's
+// cores then stay about as busy as each other however many picks the cache held.
 // uses[e] counts expert e's picks and uses[n_experts] the picks the cache held. One thread a pick (top_k <= 32).
 extern "C" __global__ void moe_cache_ids(const int* __restrict__ ids, const float* __restrict__ weights,
                                          const int* __restrict__ slot_of, int top_k, int n_experts, int bus,
@@ -266,7 +268,8 @@ extern "C" __global__ void moe_cache_ids(const int* __restrict__ ids, const floa
     const int e = j < top_k ? ids[j] : 0, s = j < top_k ? slot_of[e] : 0;
     const unsigned missed = __ballot_sync(0xFFFFFFFFu, s < 0);
     if (j >= top_k) return;
-    const bool over_bus = s < 0 && __popc(missed & ((1u << j) - 1u)) < bus;
+    const int share = (__popc(missed) * bus + top_k / 2) / top_k;
+    const bool over_bus = s < 0 && __popc(missed & ((1u << j) - 1u)) < share;
     slots[j] = s;
     bus_ids[j] = over_bus ? e : -1;
     host_ids[j] = s < 0 && !over_bus ? e : -1;
