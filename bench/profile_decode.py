@@ -8,12 +8,14 @@ for the kernel before); critical microseconds, the part of the span it alone acc
 kernel before it); and microseconds the GPU idled before it. Critical and idle times sum to the span.
 --deep-phases (a step deep enough for attention_decode_deep, heads of 128, fp16 cache) runs the deep kernel's phased
 copy (kernel_names.DEEP_PHASED) in the graph and adds the last layer's attention timeline of one more step, as
-bench_attention.py --phases gives it for the kernel alone ("deep_phases"). --carveout P: every kernel prefers P percent
+bench_attention.py --phases gives it for the kernel alone ("deep_phases"). --prefill profiles the prompt instead: one
+prefill of --prompt tokens (after an untimed one), its kernels as above over the whole prompt, with its wall time
+(host clock, to the last kernel's end). --carveout P: every kernel prefers P percent
 of its multiprocessor's L1 as shared memory (CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT), so kernels of
 unlike shared memory need not wait for an SM to be reconfigured before they share it.
 
 Usage: python bench/profile_decode.py MODEL.gguf [--prompt 512] [--reps 20] [--experts-in-ram N] [--top 25]
-       [--deep-phases] [--carveout P]
+       [--deep-phases] [--carveout P] [--prefill]
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import argparse
 import functools
 import json
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -49,6 +52,26 @@ def kernel_times(state, reps: int) -> tuple[dict[str, list[float]], float]:
     torch.cuda.synchronize()
     return critical_path([(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
                           if e.device_type.name == "CUDA"])
+
+
+def prefill_times(state, prompt: list[int]) -> tuple[dict[str, list[float]], float, float]:
+    """critical_path of one prefill's kernels (a first prefill, untimed, compiles and sizes everything), its span
+    and its wall milliseconds."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(2):  # the first compiles; the second, profiled, starts from an empty cache like it
+        state.cached.clear()
+        state.backend.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            start = time.perf_counter()
+            prefill(state, prompt)
+            state.backend.synchronize()
+            wall_ms = (time.perf_counter() - start) * 1e3
+        torch.cuda.synchronize()
+    totals, span = critical_path([(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+                                  if e.device_type.name == "CUDA"], new_replay_gap=float("inf"))
+    return totals, span, wall_ms
 
 
 def critical_path(kernels: list[tuple[str, float, float]], new_replay_gap: float = 50.0):
@@ -85,6 +108,7 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=25, help="kernels listed (the rest are summed as 'other')")
     parser.add_argument("--deep-phases", action="store_true", help="the deep attention kernel's timeline in the model")
     parser.add_argument("--carveout", type=int, help="percent of L1 every kernel prefers as shared memory")
+    parser.add_argument("--prefill", action="store_true", help="profile the prompt's prefill, not a decode step")
     args = parser.parse_args()
     from engine.kernels import cuda
 
@@ -104,16 +128,22 @@ def main() -> None:
                        expert_layers_in_ram=args.experts_in_ram)
     state = model._state
     prompt = np.random.default_rng(0).integers(2, model.info.vocab_size, args.prompt).tolist()
-    prefill(state, prompt)
-    step_ms = graph_step_ms(state)
-    totals, span_us = kernel_times(state, args.reps)
     phases = {}
+    if args.prefill:
+        totals, span_us, wall_ms = prefill_times(state, prompt)
+        args.reps = 1
+        phases = {"prefill_ms": round(wall_ms, 2), "prompt_tokens_per_s": round(args.prompt / wall_ms * 1e3, 1)}
+        step_ms = None
+    else:
+        prefill(state, prompt)
+        step_ms = graph_step_ms(state)
+        totals, span_us = kernel_times(state, args.reps)
     if args.deep_phases:
         from bench.bench_attention import deep_record, deep_timeline
 
         record = deep_record()
         state.decode_step(len(state.cached))
-        phases = {"deep_phases": deep_timeline(record)}
+        phases["deep_phases"] = deep_timeline(record)
     fields = ("launches", "us", "critical_us", "idle_before_us")
     per_step = sorted(([name, *(v / args.reps for v in values)] for name, values in totals.items()),
                       key=lambda row: -row[3])
