@@ -23,7 +23,7 @@ import numpy as np
 from engine import quants
 from engine.backend import (Q8_0_GROUP, ROPE_NEOX, ROPE_NORMAL, ExpertCacheStats, KVCache, MemoryInUse, RopeTable,
                             SamplingParams, check_kv_cache_type, linear_each)
-from engine.capabilities import DEQUANT_SCRATCH_ELEMENTS, GPU_KV_DTYPE, HOST_EXPERT_THREADS, MIN_COMPUTE_CAPABILITY
+from engine.capabilities import GPU_KV_DTYPE, HOST_EXPERT_THREADS, MIN_COMPUTE_CAPABILITY, dequant_slice_rows
 from engine import expert_stream
 from engine.expert_cache import ExpertCache
 from engine.cpu import experts as cpu_experts
@@ -374,7 +374,7 @@ class CupyBackend:
         m = weight.shape[0]
         xh = self._buffer("x_f16", n * k, cupy.float16).reshape(n, k)
         K.to_f16(x, xh)
-        rows = max(1, min(m, DEQUANT_SCRATCH_ELEMENTS // k))
+        rows = dequant_slice_rows(m, k)
         wh = self._buffer("w_f16", rows * k, cupy.float16)
         for lo in range(0, m, rows):
             hi = min(m, lo + rows)

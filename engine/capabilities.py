@@ -25,6 +25,10 @@ DEFAULT_CONTEXT = 8192
 MAX_PROMPT_CHUNK = 512
 # The GPU prompt path dequantizes one weight (or a row slice of a larger one) to this many fp16 values of scratch.
 DEQUANT_SCRATCH_ELEMENTS = 64 * 2**20
+# A weight larger than that is dequantized and multiplied a row slice at a time, each slice writing its own columns
+# of the output: a multiple of this many rows, so every slice's columns start 16-byte aligned, as cuBLAS's fast
+# kernels store them (Qwen3.8-27B's FFN matrices, 89M weights, take two slices).
+DEQUANT_SLICE_ROWS = 128
 # KV cache element types: fp16 on the GPU; float32 on the CPU, exact with respect to its float32 activations.
 # Threads the CPU computes the experts kept in RAM with, while the GPU waits for them: every core but one (H200
 # machine, 16 cores, one layer's experts from a host call: 884 us on 15 threads, 1,023 on 14, 1,101 on 12, while the
@@ -43,6 +47,15 @@ GPU_KV_DTYPE = np.dtype(np.float16)
 CPU_KV_DTYPE = np.dtype(np.float32)
 # A q8_0 KV cache (kv_cache_type="q8_0"), on either device: each 32 values as int8 under one fp16 scale.
 Q8_0_KV_BYTES_PER_ELEMENT = (Q8_0_GROUP + 2) / Q8_0_GROUP
+
+
+def dequant_slice_rows(m: int, k: int) -> int:
+    """Rows of an (m, k) weight the GPU prompt path dequantizes at a time: all m where the scratch holds them, else
+    the most it holds in whole DEQUANT_SLICE_ROWS (or as many rows as it holds, for rows too long for that)."""
+    rows = DEQUANT_SCRATCH_ELEMENTS // k
+    if rows >= m:
+        return m
+    return rows // DEQUANT_SLICE_ROWS * DEQUANT_SLICE_ROWS if rows >= DEQUANT_SLICE_ROWS else max(1, rows)
 
 
 def architectures() -> set[str]:

@@ -234,6 +234,28 @@ def test_prompt_product_dequant_then_cublas(qtype):
     assert np.isnan(wide[:, :32].get()).all() and np.isnan(wide[:, 32 + m :].get()).all()
 
 
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+def test_prompt_product_a_row_slice_at_a_time(qtype, monkeypatch):
+    """A weight larger than the dequantization scratch (made small here) goes through the backend's prompt product
+    in row slices of DEQUANT_SLICE_ROWS multiples, each into its own columns of the output, the last one ragged."""
+    from engine import backend_cupy, capabilities
+
+    rng = np.random.default_rng()
+    n, m, k = 77, 650, 1024
+    monkeypatch.setattr(capabilities, "DEQUANT_SCRATCH_ELEMENTS", 300 * k)
+    monkeypatch.setattr(K, "TILES_MAX_WEIGHTS", 0)  # every product through dequantize + cuBLAS
+    assert capabilities.dequant_slice_rows(m, k) == 256
+    raw, w = random_weight(qtype, m, k, rng)
+    x = rng.standard_normal((n, k)).astype(np.float32)
+    backend = backend_cupy.CupyBackend()
+    gw = K.upload_weight("w", qtype, (m, k), raw)
+    out = poisoned((n, m))
+    backend.linear(cp.asarray(x), gw, out)
+    backend.synchronize()
+    assert rel(out.get(), x.astype(np.float64) @ w.T.astype(np.float64)) < 1e-2
+    backend.close()
+
+
 @pytest.mark.parametrize("qtype", QUANT_TYPES, ids=lambda t: t.name)
 def test_prompt_product_on_dequantized_tiles(qtype):
     rng = np.random.default_rng()
