@@ -188,7 +188,7 @@ def test_an_extra_catalog_that_is_not_a_list_of_models_is_one_sentence(tmp_path,
         load_catalog()
 
 
-# Public hub sizes and sha256 from shared/reference/catalog-check.md (None: not published).
+# Public hub sizes and sha256 from shared/reference/catalog-check.md and public catalogs in code (None: not published).
 HUB_FACTS = {
     "qwen3-4b": (2_497_280_256, "7485fe6f11af29433bc51cab58009521f205840f5b4ae3a32fa7f92e8534fdf5"),
     "llama-3.1-8b-instruct": (4_920_739_232, "7b064f5842bf9532c91456deda288a1b672397a54fa729aa665952863033557c"),
@@ -197,6 +197,7 @@ HUB_FACTS = {
     "qwen3-14b": (9_001_752_960, "500a8806e85ee9c83f3ae08420295592451379b4f8cf2d0f41c15dffeb6b81f0"),
     "gemma-3-1b-it": (720_425_472, "b25d35b00fe699ef52bf399fa579f2c56664897c013aeba2686965fdb6265f0f"),
     "qwen3-8b": (5_027_783_488, "d98cdcbd03e17ce47681435b5150e34c1417f50b5c0019dd560e4882c5745785"),
+    "qwen3-30b-a3b-q4-k-m": (18_556_685_824, "0d003f6662faee786ed5da3e31b29c978de5ae5d275c8794c606a7f3c01aa8f5"),
 }
 
 
@@ -210,6 +211,7 @@ def test_hub_entries_carry_the_public_size_and_sha256(model_id):
 def test_hub_entries_pin_only_full_commits_and_say_why_not(model):
     for f in model.files:
         assert f.size_exact
-        # Only short hashes are known for these files: a short hash cannot be pinned, so none is, and sources say so.
-        assert f.revision is None
-        assert "resolves main's commit at plan time" in model.sources
+        if f.revision is None:  # only a short hash is known, which cannot be pinned: sources say so
+            assert "resolves main's commit at plan time" in model.sources
+        else:  # the full commit, and sources say where it was seen
+            assert f.revision in model.sources and "pinned" in model.sources

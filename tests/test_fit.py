@@ -228,7 +228,7 @@ TABLE = [
     ("24 GB card, other programs hold 20.5 GB", pc(32, 26, [("RTX 4090", 24, 3.5)]), "chat", ENGINE, {},
      ("llama-3.2-3b-instruct", "gpu", 6739, ["of the 3.5 GB free VRAM", "context reduced from 8192 to fit"])),
     ("24 GB card, 32768 tokens asked", pc(32, 26, [("RTX 4090", 24, 23.5)]), "chat", ENGINE,
-     {"context_length": 32768}, ("qwen3-30b-a3b", "gpu", 32768, ["with 32768 tokens of context"])),
+     {"context_length": 32768}, ("qwen3-30b-a3b-q4-k-m", "gpu", 32768, ["with 32768 tokens of context"])),
     ("no GPU detected, 12 GB VRAM override", pc(32, 26), "chat", ENGINE, {"vram_bytes_override": 12 * GIB},
      ("qwen3-14b", "gpu", 8192, ["the GPU given by the VRAM override", "of the 12 GB free VRAM"])),
     ("12 GB card, RAM override 8 GB", pc(128, 120, [("RTX 3060", 12, 11.5)]), "code", MOE_F32,
@@ -259,7 +259,8 @@ def test_recommendation_table(label, report, goal, engine, extra, expected):
 
 def test_runners_up_are_ranked_and_explained():
     rec = recommend(pc(64, 55, [("RTX 4090", 24, 23.5)]), load_catalog(), Preferences(goal="code"), ENGINE)
-    assert [a.model_id for a in rec.alternatives[:3]] == ["qwen3-32b", "qwen3-30b-a3b", "qwen3-14b"]
+    assert [a.model_id for a in rec.alternatives[:4]] == ["qwen3-32b", "qwen3-30b-a3b-q4-k-m", "qwen3-30b-a3b",
+                                                         "qwen3-14b"]
     assert all(a.why.startswith("Runs on the GPU (RTX 4090)") for a in rec.alternatives)
     # The models the test engine cannot run are listed with what is missing, never picked.
     unsupported = {r.id: r.reason for r in rec.not_supported}
