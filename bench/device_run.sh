@@ -287,12 +287,13 @@ for part in "$@"; do
       cp .carry/smollm2-tokenizer.gguf /tmp/strata/; [ -d .carry/hybrid ] && cp .carry/hybrid/*.gguf /tmp/strata/
       eval timeout ${TESTS_LIMIT:-240} python3 -m pytest -q -s -p no:cacheprovider --tb=short -rf "$TESTS" 2>&1 | tee "$OUT/tests.log" \
         | grep -E "relative error|logit range|passed|failed|Error" ;;
-    profile)  # bench/profile_decode.py for PROFILE_RUNS="shape:depth[:options joined by commas] ..." (synthetic files)
+    profile)  # bench/profile_decode.py for PROFILE_RUNS="shape:depth[:options joined by commas] ..." (synthetic files;
+              # e.g. qwen3.8-27b:4096:--prefill), PROFILE_LIMIT seconds each (on a fresh machine the first compiles)
       for run in $PROFILE_RUNS; do
         IFS=: read -r shape depth opts <<< "$run"
         f=/tmp/strata/synthetic-$shape.gguf
         while [ ! -f $f ] || pgrep -f make_synthetic_gguf.py >/dev/null; do sleep 2; done
-        timeout 120 python3 bench/profile_decode.py $f --prompt $depth ${opts//,/ } 2>&1 | grep -v Warn | tee -a "$OUT/profile.jsonl"
+        timeout ${PROFILE_LIMIT:-120} python3 bench/profile_decode.py $f --prompt $depth ${opts//,/ } 2>&1 | grep -v Warn | tee -a "$OUT/profile.jsonl"
       done ;;
     bus)  # experts in RAM partly read over the bus (issue 18): the synthetic Qwen3-30B-A3B (Q4_K_M mix, the files step's)
           # for BUS_RUNS="layers in RAM:experts over the bus ...", prompt 512, 128 tokens out
