@@ -483,7 +483,7 @@ class CupyBackend:
     def _moe_on_host(self, x, gate: CpuWeight, up: CpuWeight, down: CpuWeight, ids, weights, out, hidden,
                      activation: str) -> None:
         """The experts of a layer kept in RAM. One token: the experts the layer's cache holds (engine/expert_cache.py)
-        and experts_over_bus of every top_k others, read in place over the bus, run on the GPU while the CPU
+        and experts_over_bus of every top_k of the others, read in place over the bus, run on the GPU while the CPU
         computes the rest, handed over in a host call (engine/kernels/host_calls.py, which a decode step's graph
         captures): the step stays one graph; the CPU's activations are int8 per 32 values, as this backend's own
         kernels round them. A prompt chunk: this thread waits for the routing and the CPU computes every expert."""

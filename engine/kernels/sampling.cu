@@ -256,8 +256,8 @@ extern "C" __global__ void moe_route(const float* __restrict__ logits, long stri
 // slot_of[e] is expert e's slot in the layer's cache or -1. The GPU computes the cached ones (slots, -1 for the
 // others) and the first of the others, reading them over the bus (bus_ids, -1 for the rest); the host the rest,
 // from page-locked memory this writes directly (host_ids, -1 for the others, and the routing weights). The bus
-// takes `bus` of top_k misses, and of fewer misses the same share, rounded to nearest: the bus and the host's
-// cores then stay about as busy as each other however many picks the cache held.
+// takes `bus` of top_k misses, and of fewer misses the same share, rounded to nearest, so a cache hit takes work
+// off the host's cores and the bus alike (the first `bus` misses would leave the host idle at a high hit rate).
 // uses[e] counts expert e's picks and uses[n_experts] the picks the cache held. One thread a pick (top_k <= 32).
 extern "C" __global__ void moe_cache_ids(const int* __restrict__ ids, const float* __restrict__ weights,
                                          const int* __restrict__ slot_of, int top_k, int n_experts, int bus,
