@@ -50,8 +50,10 @@ def wide(backend, values, extra=7):
     return full[:, 1 : 1 + m]
 
 
-@pytest.mark.parametrize("n", [1, 150])
+@pytest.mark.parametrize("n", [1, 2, 3, 16, 17, 150, 520])
 def test_causal_conv_silu(n):
+    """Chunks shorter than the window, a run of tokens whole, ragged and many runs (K.CONV_RUN) against the
+    reference, and the state left holding the window's last rows."""
     rng = np.random.default_rng()
     backend = CupyBackend()
     channels = 300
@@ -325,3 +327,22 @@ def test_a_second_turn_reuses_the_state_on_the_gpu(pair, monkeypatch):
     second = gpu.chat(follow, GREEDY)
     assert second.cached_prompt_tokens >= first.prompt_tokens
     assert second.text == _fresh_chat(gpu, follow).text, arch
+
+
+def test_prompt_chunks_of_any_size_give_one_chunk_s_logits(tokenizer_source):
+    """The dense hybrid's long prompt in chunks of 48 tokens (the delta rule's chunked form over state carried between
+    chunks, a ragged last chunk token by token, attention over the cache) against one chunk holding it all."""
+    from test_engine_hybrid import LONG
+
+    path = tiny_hybrid("qwen35", tokenizer_source)
+    whole, pieces = (load_model(path, device="cuda", context_length=512, prompt_chunk=c) for c in (512, 48))
+    ids = whole.tokenizer.encode(LONG)
+    assert len(ids) > 2 * pieces._state.workspace.max_chunk
+    want = whole.prompt_logits(ids, all_positions=True)[0]
+    got = pieces.prompt_logits(ids, all_positions=True)[0]
+    spread = want.max(axis=-1) - want.min(axis=-1)
+    error = float(np.max(np.abs(got - want).max(axis=-1) / spread))
+    print(f"qwen35 ({len(ids)} tokens) in chunks of 48 against one: logits max difference / logit range = {error:.2e}")
+    assert error < LOGIT_TOLERANCE
+    whole.close()
+    pieces.close()

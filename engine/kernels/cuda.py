@@ -809,12 +809,14 @@ def sample_sorted(vals, ids, n: int, temperature: float, top_p: float, min_p: fl
 # ---- hybrid models' recurrent layers (hybrid.cu) ------------------------------------------------------------
 
 CONV_KERNEL = 4  # the convolution width hybrid.cu is built for (every qwen35 / qwen3next file's)
+CONV_RUN = 16  # tokens a thread of causal_conv_silu_4 (hybrid.cu CONV_RUN)
 
 
 def causal_conv_silu(x: Any, w: Any, state: Any, out: Any) -> None:
-    """x, out (n, channels) with row strides; w (channels, CONV_KERNEL) float32; state (CONV_KERNEL - 1, channels)."""
+    """x, out (n, channels) with row strides, not overlapping; w (channels, CONV_KERNEL) float32; state
+    (CONV_KERNEL - 1, channels)."""
     n, channels = x.shape
-    launch("hybrid", "causal_conv_silu_4", (_blocks(channels, 128),), (128,),
+    launch("hybrid", "causal_conv_silu_4", (_blocks(channels, 128), _blocks(n, CONV_RUN)), (128,),
            (x, i64(x.strides[0] // 4), w, state, out, i64(out.strides[0] // 4), i32(n), i32(channels)))
 
 
