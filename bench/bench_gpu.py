@@ -211,10 +211,10 @@ def gpu_name() -> str:
 
 
 def run(path: Path, prompt_len: int, output_len: int, device: str, repeats: int, experts_in_ram: int = 0,
-        expert_cache_slots: int = 0, kv_cache: str = "full") -> dict:
+        expert_cache_slots: int = 0, kv_cache: str = "full", prompt_chunk: int | None = None) -> dict:
     model = load_model(path, device=device, context_length=prompt_len + output_len + 8,
                        expert_layers_in_ram=experts_in_ram, expert_cache_slots=expert_cache_slots,
-                       kv_cache_type=kv_cache)
+                       kv_cache_type=kv_cache, prompt_chunk=prompt_chunk)
     state = model._state
     backend = state.backend
     rng = np.random.default_rng(0)
@@ -291,6 +291,7 @@ def run(path: Path, prompt_len: int, output_len: int, device: str, repeats: int,
         "prompt_tokens": prompt_len,
         "output_tokens": output_len,
         "context": model.info.context_length,
+        "prompt_chunk": state.workspace.max_chunk,
         "kv_cache": kv_cache,
         "kv_cache_bytes": model.info.kv_cache_bytes,
         "prompt_tokens_per_s": round(prompt_len / prompt_s, 1),
@@ -332,6 +333,7 @@ def main() -> None:
                         help="of a token's experts in a RAM layer, how many the GPU reads over the bus (default: the "
                              "backend's EXPERTS_OVER_BUS)")
     parser.add_argument("--kv-cache", choices=("full", "q8_0"), default="full", help="the KV cache's element type")
+    parser.add_argument("--prompt-chunk", type=int, help="the most prompt tokens run at once (default: the engine's)")
     args = parser.parse_args()
     if args.device == "cuda":
         from engine import backend_cupy
@@ -346,7 +348,7 @@ def main() -> None:
             cuda.decode_attention_form = lambda n_heads, n_kv, max_tokens, deep, kv="full": args.decode_attention
     for path in args.models:
         result = run(path, args.prompt, args.output, args.device, args.repeats, args.experts_in_ram,
-                     args.expert_cache_slots, args.kv_cache)
+                     args.expert_cache_slots, args.kv_cache, args.prompt_chunk)
         print(json.dumps({**result, "prompt_attention": args.attention, "decode_attention": args.decode_attention}),
               flush=True)
 

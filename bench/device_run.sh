@@ -2,7 +2,7 @@
 # Usage (on the GPU machine, repo root): bash bench/device_run.sh [warm] [tests] [kernels] [shapes] [prompt] [synthetic] [smol]
 #                                        [archs] [memory] [issue5] [flash] [ram] [cache] [moe] [hybrid] [hybridbench] [kvq8]
 #                                        [ring] [moeab] [peer] [s13] [s13b] [s13c] [phases] [ab] [files] [gputests]
-#                                        [profile] [kcache] [bus] [peerbuild]
+#                                        [profile] [kcache] [bus] [peerbuild] [bench]
 # The GPU machine has no network: .whl/ holds the wheels it lacks (gguf; pydantic and its dependencies, which
 # tests/conftest.py's catalog lookup imports; `pip download` them for Python 3.12), and the SmolLM2 GGUF
 # (98 MB, over one call's 64 MB) travels in two parts, .carry/smol.part00 (copied to /tmp/strata by a first call) and
@@ -303,6 +303,14 @@ for part in "$@"; do
         while [ ! -f $f ] || pgrep -f make_synthetic_gguf.py >/dev/null; do sleep 2; done
         timeout 240 python3 bench/bench_gpu.py $f --output 128 --repeats 2 --experts-in-ram $layers \
           --experts-over-bus $bus 2>&1 | tee -a "$OUT/bus_bench.jsonl"
+      done ;;
+    bench)  # bench_gpu.py on synthetic files (Q4_K_M mix, the files step's) for BENCH_RUNS="shape:prompt[:options joined
+            # by commas] ...", 64 tokens out, 2 repeats
+      for run in $BENCH_RUNS; do
+        IFS=: read -r shape p opts <<< "$run"
+        f=/tmp/strata/synthetic-$shape.gguf
+        while [ ! -f $f ] || pgrep -f make_synthetic_gguf.py >/dev/null; do sleep 2; done
+        timeout 200 python3 bench/bench_gpu.py $f --prompt $p --output 64 --repeats 2 ${opts//,/ } 2>&1 | tee -a "$OUT/bench.jsonl"
       done ;;
     kcache)  # the kernel cache back to $OUT in parts of 15 MB (kcache.part*), for .carry/ in the next call
       tar cC $CUPY_CACHE_DIR . | xz -T0 -6 | split -b 15M - "$OUT/kcache.part"; ls -l "$OUT"/kcache.part* ;;

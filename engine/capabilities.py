@@ -21,8 +21,13 @@ from engine.quants import SUPPORTED_TYPES
 MIN_COMPUTE_CAPABILITY = (7, 5)
 # Used when the caller gives no context length and the model allows more.
 DEFAULT_CONTEXT = 8192
-# Tokens per prefill forward pass; sizes the activation workspace.
-MAX_PROMPT_CHUNK = 512
+# Tokens of a prompt run in one forward pass, which sizes the activation workspace. The CPU path holds a layer's
+# scores for the chunk against the whole context, so its chunks stay short. The GPU's prompt products dequantize
+# each weight to fp16 once a chunk (for cuBLAS), which longer chunks spread over more tokens: from 512 to 2,048
+# tokens a chunk, the Qwen3.8-27B shape's 4,096-token prompt went from 4,757 to 7,292 tokens/s and Qwen3-8B's
+# 8,192-token one from 14,247 to 20,246 (H100, bench/results/2026-12-07_s20call3_bench.jsonl).
+CPU_PROMPT_CHUNK = 512
+GPU_PROMPT_CHUNK = 2048
 # The GPU prompt path dequantizes one weight (or a row slice of a larger one) to this many fp16 values of scratch.
 DEQUANT_SCRATCH_ELEMENTS = 64 * 2**20
 # A weight larger than that is dequantized and multiplied a row slice at a time, each slice writing its own columns
@@ -56,6 +61,11 @@ def dequant_slice_rows(m: int, k: int) -> int:
     if rows >= m:
         return m
     return rows // DEQUANT_SLICE_ROWS * DEQUANT_SLICE_ROWS if rows >= DEQUANT_SLICE_ROWS else max(1, rows)
+
+
+def default_prompt_chunk(backend_name: str) -> int:
+    """The prompt chunk a backend ("numpy" or "cupy") runs unless told otherwise."""
+    return GPU_PROMPT_CHUNK if backend_name == "cupy" else CPU_PROMPT_CHUNK
 
 
 def architectures() -> set[str]:
@@ -94,7 +104,8 @@ def profile() -> dict[str, Any]:
         "kv_bytes_per_element_gpu": GPU_KV_DTYPE.itemsize,
         "kv_bytes_per_element_cpu": CPU_KV_DTYPE.itemsize,
         "kv_bytes_per_element_q8_0": Q8_0_KV_BYTES_PER_ELEMENT,
-        "prefill_chunk": MAX_PROMPT_CHUNK,
+        "prefill_chunk": CPU_PROMPT_CHUNK,
+        "gpu_prefill_chunk": GPU_PROMPT_CHUNK,
         "default_context": DEFAULT_CONTEXT,
         "dequant_scratch_elements": DEQUANT_SCRATCH_ELEMENTS,
         "gpu_delta_chunk": DELTA_CHUNK,

@@ -15,7 +15,7 @@ from engine.arch import architecture_module
 from engine.arch.parts import MOE, MOE_SHARED, DecoderConfig
 from engine.backend import Backend, ExpertCacheStats, MemoryInUse, check_kv_cache_type
 from engine.backend_numpy import NumpyBackend
-from engine.capabilities import DEFAULT_CONTEXT, MAX_PROMPT_CHUNK
+from engine.capabilities import CPU_PROMPT_CHUNK, DEFAULT_CONTEXT, default_prompt_chunk
 from engine.chat_template import ChatTemplate
 from engine.cpu.weights import held_nbytes
 from engine.errors import EngineError
@@ -42,6 +42,7 @@ class ModelInfo:
     weight_bytes: int
     kv_cache_type: str  # one of engine.backend.KV_CACHE_TYPES
     kv_cache_bytes: int
+    prompt_chunk: int  # the most prompt tokens run in one forward pass (the workspace's rows)
     expert_layers_in_ram: int  # MoE layers whose routed experts live in RAM and run on the CPU (GPU backend)
     host_weight_bytes: int  # of weight_bytes, what lives in RAM beside the GPU (those experts)
     expert_cache_slots: int  # GPU slots for the most used experts of each such layer (engine/expert_cache.py)
@@ -195,10 +196,10 @@ class LoadedModel:
                 logits, reused = prefill(state, list(tokens))
                 return state.backend.to_host(logits), reused
             state.cached.clear()
-            if self._all_logits is None:
-                self._all_logits = state.backend.empty((state.workspace.max_chunk, self.info.vocab_size))
-            rows = []
             chunk = state.workspace.max_chunk
+            if self._all_logits is None or len(self._all_logits) < min(chunk, len(tokens)):
+                self._all_logits = state.backend.empty((min(chunk, len(tokens)), self.info.vocab_size))
+            rows = []
             for begin in range(0, len(tokens), chunk):
                 part = list(tokens[begin : begin + chunk])
                 run_chunk(state, part, begin, self._all_logits[: len(part)])
@@ -240,6 +241,7 @@ def load_model(
     expert_layers_in_ram: int = 0,
     expert_cache_slots: int = 0,
     kv_cache_type: str = "full",
+    prompt_chunk: int | None = None,
 ) -> LoadedModel:
     """Open a GGUF, pick a backend and upload the weights. on_progress gets (tensors done, total, message);
     should_cancel returning True stops the load with `Cancelled` (an EngineError). expert_layers_in_ram: on the GPU,
@@ -247,8 +249,12 @@ def load_model(
     (the rest of the model stays on the GPU); on the CPU everything is in RAM anyway. expert_cache_slots: GPU
     memory for that many of each such layer's experts, the ones its tokens pick most (engine/expert_cache.py).
     kv_cache_type: "full" (fp16 on the GPU, float32 on the CPU) or "q8_0" (34 bytes per 32 values: half the GPU's
-    KV memory, so a longer context fits; the logits change slightly)."""
+    KV memory, so a longer context fits; the logits change slightly). prompt_chunk: the most prompt tokens run at
+    once, which sizes the workspace (by default the backend's, capabilities.default_prompt_chunk; the CPU path
+    takes at most its own)."""
     check_kv_cache_type(kv_cache_type, "kv_cache_type")
+    if prompt_chunk is not None and (not isinstance(prompt_chunk, int) or prompt_chunk < 1):
+        raise EngineError(f"prompt_chunk must be a positive number of tokens, not {prompt_chunk!r}.")
     gguf = GGUFFile(path)
     try:
         arch = architecture_module(gguf.architecture, f"The model {gguf.path.name}")
@@ -280,7 +286,9 @@ def load_model(
             weights = arch.load_weights(gguf, config, backend, context, on_progress, should_cancel, host_layers)
             memory = backend.memory_in_use()
             weight_bytes = memory.total_bytes
-            chunk = min(MAX_PROMPT_CHUNK, context)
+            chunk = min(prompt_chunk or default_prompt_chunk(backend.name), context)
+            if backend.name == "numpy":  # its attention scores grow with chunk x context: never past its default
+                chunk = min(chunk, CPU_PROMPT_CHUNK)
             cache = arch.new_cache(config, backend, context, kv_cache_type, chunk)
             workspace = arch.new_workspace(config, backend, chunk)
         except MemoryError:
@@ -308,6 +316,7 @@ def load_model(
             weight_bytes=weight_bytes,
             kv_cache_type=kv_cache_type,
             kv_cache_bytes=cache.nbytes,
+            prompt_chunk=chunk,
             expert_layers_in_ram=len(host_layers),
             host_weight_bytes=memory.host_bytes if host_layers else 0,
             expert_cache_slots=slots,

@@ -34,7 +34,8 @@ class EngineProfile(BaseModel):
     kv_bytes_per_element_gpu: int = Field(gt=0, description="the full KV cache on the GPU")
     kv_bytes_per_element_cpu: int = Field(gt=0, description="the full KV cache on the CPU")
     kv_bytes_per_element_q8_0: float = Field(gt=0, description="a q8_0 KV cache, on either device")
-    prefill_chunk: int = Field(gt=0, description="tokens per prompt chunk, which sizes the workspace")
+    prefill_chunk: int = Field(gt=0, description="tokens per prompt chunk on the CPU, which sizes the workspace")
+    gpu_prefill_chunk: int = Field(gt=0, description="tokens per prompt chunk on the GPU")
     default_context: int = Field(gt=0, description="context the engine uses when none is asked for")
     dequant_scratch_elements: int = Field(ge=0, description="fp16 scratch of the GPU prompt path, in values")
     gpu_delta_chunk: int = Field(
@@ -56,6 +57,9 @@ class EngineProfile(BaseModel):
             return False
         major, minor = (int(x) for x in compute_capability.split("."))
         return (major, minor) >= tuple(self.min_compute_capability)
+
+    def prompt_chunk(self, on_gpu: bool) -> int:
+        return self.gpu_prefill_chunk if on_gpu else self.prefill_chunk
 
     @property
     def min_compute_capability_text(self) -> str:

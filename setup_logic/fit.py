@@ -86,6 +86,7 @@ class MemoryEstimate(BaseModel):
     kv_cache_type: KvCacheType
     kv_cache_bytes: int
     recurrent_state_bytes: int
+    prompt_chunk: int = Field(description="the most prompt tokens a forward pass runs, which sizes the workspace")
     workspace_bytes: int = Field(description="activations for one prompt chunk, attention scores, rotary tables")
     gpu_overhead_bytes: int = Field(description="CUDA context and libraries")
     ram_overhead_bytes: int = Field(description="GGUF metadata, tokenizer, and the CUDA driver's host side")
@@ -164,12 +165,13 @@ def kv_cache_bytes(model: CatalogModel, context_length: int, bytes_per_element: 
     return round(positions * 2 * model.n_kv_heads * model.head_dim * bytes_per_element)
 
 
-def workspace_bytes(model: CatalogModel, context_length: int, engine: EngineProfile, on_gpu: bool) -> int:
+def workspace_bytes(model: CatalogModel, context_length: int, engine: EngineProfile, on_gpu: bool,
+                    prompt_chunk: int | None = None) -> int:
     """The buffers of one prompt chunk (activation_floats_per_token of them a token, and the last logits), the rotary
     cos/sin tables, and attention's working space: the NumPy reference holds one layer's scores for the chunk against
     the whole context, the GPU kernel only per-head partial sums (chunk x heads x (head_dim + 2)); on the GPU also
     the prompt path's fp16 scratch, a mixture's per-slot outputs and the chunked delta rule's scratch."""
-    chunk = min(engine.prefill_chunk, context_length)
+    chunk = min(prompt_chunk or engine.prompt_chunk(on_gpu), context_length)
     q_dim = model.n_heads * model.head_dim
     kv_dim = model.n_kv_heads * model.head_dim
     rope = context_length * model.head_dim
@@ -240,29 +242,32 @@ def estimate_memory(
     expert_layers_in_ram: int | None = None,
     expert_cache_slots: int = 0,
     kv_cache: KvCacheType = "full",
+    prompt_chunk: int | None = None,
 ) -> MemoryEstimate:
     """Bytes on the GPU and in RAM for running `model` with `context_length` tokens at `level`, its KV cache of type
-    kv_cache.
+    kv_cache, prompts in chunks of prompt_chunk tokens (the engine's default for the level when None; the CPU path
+    takes at most its own).
 
     For "gpu+ram", expert_layers_in_ram is how many layers keep their routed experts in RAM (1 to n_layers), and
     expert_cache_slots how many of each such layer's experts the GPU holds as well (its most picked ones)."""
     if context_length < 1:
         raise ValueError("context_length must be at least 1")
     file_bytes = model.file_bytes
-    workspace = workspace_bytes(model, context_length, engine, on_gpu=level != "cpu")
+    chunk = min(prompt_chunk or engine.prompt_chunk(level != "cpu"), context_length)
+    if level == "cpu":
+        chunk = min(chunk, engine.prefill_chunk)
+    workspace = workspace_bytes(model, context_length, engine, level != "cpu", chunk)
     ram_overhead = _RAM_BASE_BYTES + model.vocab_size * _RAM_PER_VOCAB_TOKEN
     f32 = engine.cpu_weights_dequantized_to_f32
     ram_expert_read = staging = cache = 0
     if level == "cpu":
         ram_weights = round(model.params_b * 1e9 * 4) if f32 else round(file_bytes * _main_type_ratio(model, engine))
         gpu_weights = gpu_overhead = 0
-        kv = kv_cache_bytes(model, context_length, engine.kv_bytes_per_element(kv_cache, on_gpu=False),
-                            engine.prefill_chunk)
+        kv = kv_cache_bytes(model, context_length, engine.kv_bytes_per_element(kv_cache, on_gpu=False), chunk)
     else:
         gpu_overhead = _CUDA_CONTEXT_BYTES
         ram_overhead += _CUDA_HOST_BYTES
-        kv = kv_cache_bytes(model, context_length, engine.kv_bytes_per_element(kv_cache, on_gpu=True),
-                            engine.prefill_chunk)
+        kv = kv_cache_bytes(model, context_length, engine.kv_bytes_per_element(kv_cache, on_gpu=True), chunk)
         if level == "gpu":
             expert_layers_in_ram = None
             gpu_weights, ram_weights = file_bytes, 0
@@ -301,6 +306,7 @@ def estimate_memory(
         kv_cache_type=kv_cache,
         kv_cache_bytes=kv,
         recurrent_state_bytes=state,
+        prompt_chunk=chunk,
         workspace_bytes=workspace,
         gpu_overhead_bytes=gpu_overhead,
         ram_overhead_bytes=ram_overhead,
@@ -369,12 +375,13 @@ def _fits(e: MemoryEstimate, budget: _Budget) -> bool:
     return e.vram_bytes <= budget.vram * _FIT_FRACTION and e.ram_required_bytes <= budget.ram * _FIT_FRACTION
 
 
-def _expert_layers_in_ram(model: CatalogModel, context_length: int, engine: EngineProfile, budget: _Budget) -> int | None:
+def _expert_layers_in_ram(model: CatalogModel, context_length: int, engine: EngineProfile, budget: _Budget,
+                          chunk: int) -> int | None:
     """The fewest layers whose experts must move to RAM for the rest to fit the GPU (VRAM falls linearly with them);
     None when even every layer's experts in RAM leave too much on the GPU."""
     layers = model.n_layers
     least = estimate_memory(model, context_length, "gpu+ram", engine, expert_layers_in_ram=layers,
-                            kv_cache=budget.kv_cache).vram_bytes
+                            kv_cache=budget.kv_cache, prompt_chunk=chunk).vram_bytes
     room = budget.vram * _FIT_FRACTION
     if least > room:
         return None
@@ -382,26 +389,46 @@ def _expert_layers_in_ram(model: CatalogModel, context_length: int, engine: Engi
     return max(1, min(layers, math.ceil((least + per_layer * layers - room) / per_layer)))
 
 
+def _prompt_chunks(engine: EngineProfile, level: Level) -> list[int]:
+    """The prompt chunks a placement may take, longest first: on the GPU the engine's default, halved down to the
+    CPU's (a longer chunk spreads each weight's dequantization over more tokens, for more workspace); the CPU's own."""
+    chunks = [engine.prompt_chunk(on_gpu=level != "cpu")]
+    while chunks[-1] // 2 >= engine.prefill_chunk:
+        chunks.append(chunks[-1] // 2)
+    return chunks
+
+
 def _place(model: CatalogModel, context_length: int, level: Level, engine: EngineProfile, budget: _Budget):
-    layers, slots = None, 0
+    """The estimate of the placement that fits with the longest prompt chunk, or None. With experts in RAM, the
+    fewest layers there (decode speed) come first: a chunk is taken only where it moves no more layers to RAM."""
+    chunks = _prompt_chunks(engine, level)
+    layers = None
     if level == "gpu+ram":
-        layers = _expert_layers_in_ram(model, context_length, engine, budget)
+        layers = _expert_layers_in_ram(model, context_length, engine, budget, chunks[-1])
         if layers is None:
             return None
-        slots = _expert_cache_slots(model, context_length, engine, budget, layers)
-    estimate = estimate_memory(model, context_length, level, engine, expert_layers_in_ram=layers,
-                               expert_cache_slots=slots, kv_cache=budget.kv_cache)
-    return estimate if _fits(estimate, budget) else None
+    for chunk in chunks:
+        slots = 0
+        if level == "gpu+ram":
+            if _expert_layers_in_ram(model, context_length, engine, budget, chunk) != layers:
+                continue
+            slots = _expert_cache_slots(model, context_length, engine, budget, layers, chunk)
+        estimate = estimate_memory(model, context_length, level, engine, expert_layers_in_ram=layers,
+                                   expert_cache_slots=slots, kv_cache=budget.kv_cache, prompt_chunk=chunk)
+        if _fits(estimate, budget):
+            return estimate
+    return None
 
 
 def _expert_cache_slots(model: CatalogModel, context_length: int, engine: EngineProfile, budget: _Budget,
-                        layers: int) -> int:
+                        layers: int, chunk: int) -> int:
     """How many of each RAM layer's experts the VRAM that whole layers leave can hold as well (the hot-expert
     cache; less than a layer's worth, spread over all of them)."""
     if not engine.hot_expert_cache:
         return 0
     left = budget.vram * _FIT_FRACTION - estimate_memory(model, context_length, "gpu+ram", engine,
-                                                         expert_layers_in_ram=layers, kv_cache=budget.kv_cache).vram_bytes
+                                                         expert_layers_in_ram=layers, kv_cache=budget.kv_cache,
+                                                         prompt_chunk=chunk).vram_bytes
     per_slot = model.expert_bytes * layers / model.n_layers / model.n_experts  # one expert of each RAM layer
     return max(0, min(model.n_experts, math.floor(left / per_slot)))
 
@@ -541,12 +568,13 @@ def _why_not(model: CatalogModel, context: int, engine: EngineProfile, budget: _
     if budget.vram > 0 and gap is not None:
         gpu_part = f"On the GPU: {gap}."
         return f"{gpu_part} {cpu_too_slow}" if cpu_too_slow else f"{gpu_part} Too big for the CPU path: it needs {_cpu_need(model, context, engine, budget)}."
-    if budget.vram > 0:
-        gpu = estimate_memory(model, context, "gpu", engine, kv_cache=budget.kv_cache)
+    if budget.vram > 0:  # the least it needs: the shortest prompt chunk the GPU takes
+        least = engine.prefill_chunk
+        gpu = estimate_memory(model, context, "gpu", engine, kv_cache=budget.kv_cache, prompt_chunk=least)
         needs.append(f"{gb(gpu.vram_bytes)} of VRAM on the GPU ({gb(budget.vram)} free)")
         if model.is_moe and engine.experts_in_ram:
             split = estimate_memory(model, context, "gpu+ram", engine, expert_layers_in_ram=model.n_layers,
-                                    kv_cache=budget.kv_cache)
+                                    kv_cache=budget.kv_cache, prompt_chunk=least)
             needs.append(
                 f"{gb(split.vram_bytes)} of VRAM and {gb(split.ram_required_bytes)} of RAM with its experts in RAM"
             )

@@ -135,10 +135,11 @@ class Runtime:
 
     # -- loading -------------------------------------------------------------------------
     def start_model(self, model_id: str, device: str, context_length: int | None, expert_layers_in_ram: int = 0,
-                    expert_cache_slots: int = 0, kv_cache: str = "full") -> None:
+                    expert_cache_slots: int = 0, kv_cache: str = "full", prompt_chunk: int | None = None) -> None:
         """Begin loading `model_id` on a background thread (replacing nothing: stop first); expert_layers_in_ram: the
         MoE layers whose experts stay in RAM, expert_cache_slots: how many of each such layer's experts the GPU holds
-        too (the placement choose_model's fit made); kv_cache: the KV cache type."""
+        too, prompt_chunk: the most prompt tokens a forward pass runs (the placement choose_model's fit made; None:
+        the engine's default); kv_cache: the KV cache type."""
         path = self.store.model_path(model_id)
         with self._lock:
             slot = self.slot
@@ -155,13 +156,13 @@ class Runtime:
             )
         threading.Thread(
             target=self._load,
-            args=(slot, path, device, context_length, expert_layers_in_ram, expert_cache_slots, kv_cache),
+            args=(slot, path, device, context_length, expert_layers_in_ram, expert_cache_slots, kv_cache, prompt_chunk),
             name="engine-load",
             daemon=True
         ).start()
 
     def _load(self, slot: EngineSlot, path: Path, device: str, context_length: int | None,
-              expert_layers_in_ram: int, expert_cache_slots: int, kv_cache: str) -> None:
+              expert_layers_in_ram: int, expert_cache_slots: int, kv_cache: str, prompt_chunk: int | None) -> None:
         def on_progress(done: int, total: int, message: str) -> None:
             slot.load = LoadProgress(done, total, message)
 
@@ -170,6 +171,7 @@ class Runtime:
                 path, device=device, context_length=context_length,
                 on_progress=on_progress, should_cancel=self._cancel_load.is_set,
                 expert_layers_in_ram=expert_layers_in_ram, expert_cache_slots=expert_cache_slots, kv_cache_type=kv_cache,
+                prompt_chunk=prompt_chunk,
             )
         except Exception as exc:  # the slot reports it; status and start show the sentence
             with self._lock:
@@ -207,9 +209,11 @@ class Runtime:
         if info.expert_layers_in_ram:
             return estimate_memory(model, info.context_length, "gpu+ram", engine_profile(),
                                    expert_layers_in_ram=info.expert_layers_in_ram,
-                                   expert_cache_slots=info.expert_cache_slots, kv_cache=info.kv_cache_type)
+                                   expert_cache_slots=info.expert_cache_slots, kv_cache=info.kv_cache_type,
+                                   prompt_chunk=info.prompt_chunk)
         level = "cpu" if info.backend == "numpy" else "gpu"
-        return estimate_memory(model, info.context_length, level, engine_profile(), kv_cache=info.kv_cache_type)
+        return estimate_memory(model, info.context_length, level, engine_profile(), kv_cache=info.kv_cache_type,
+                               prompt_chunk=info.prompt_chunk)
 
     # -- unloading -----------------------------------------------------------------------
     def stop_model(self, force: bool, timeout: float = 30.0) -> EngineSlot:

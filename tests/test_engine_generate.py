@@ -128,6 +128,20 @@ def test_context_limits_are_checked_before_loading(smollm2_gguf):
         load_model(smollm2_gguf, device="cpu", context_length=0)
     with pytest.raises(EngineError, match="device must be"):
         load_model(smollm2_gguf, device="tpu")
+    with pytest.raises(EngineError, match="prompt_chunk must be a positive number of tokens, not 0"):
+        load_model(smollm2_gguf, device="cpu", prompt_chunk=0)
+
+
+def test_a_prompt_in_small_chunks_gives_one_chunk_s_logits(model, smollm2_gguf):
+    """The same prompt in chunks of 40 tokens (the last ragged), each attending over the cache the earlier ones left."""
+    ids = model.tokenizer.encode("one two three four " * 30)
+    small = load_model(smollm2_gguf, device="cpu", context_length=256, prompt_chunk=40)
+    try:
+        assert small._state.workspace.max_chunk == 40 and len(ids) > 3 * 40 and len(ids) % 40
+        got, want = small.prompt_logits(ids)[0], model.prompt_logits(ids)[0]
+    finally:
+        small.close()
+    assert np.abs(got - want).max() < 1e-4 * (want.max() - want.min())
 
 
 def test_load_progress_cancel_and_close(smollm2_gguf):

@@ -6,7 +6,8 @@ import pytest
 from setup_logic.catalog import get_model, load_catalog
 from engine import capabilities
 from setup_logic.engine_profile import EngineProfile
-from setup_logic.fit import Preferences, estimate_memory, fit_model, kv_cache_bytes, recommend, workspace_bytes
+from setup_logic.fit import (Preferences, activation_floats_per_token, estimate_memory, fit_model, kv_cache_bytes,
+                             recommend, workspace_bytes)
 from setup_logic.hardware import GIB, CpuInfo, GpuInfo, OsInfo, PcReport
 
 MIB = 1 << 20
@@ -56,7 +57,7 @@ def test_sliding_window_layers_count_their_ring_only():
     assert kv_cache_bytes(gemma, 32768, 2, 512) == (8 * 32768 + 40 * (1024 + 511)) * per_position
     assert kv_cache_bytes(gemma, 1000, 2, 512) == 48 * 1000 * per_position  # shorter than the ring: as before
     estimate = estimate_memory(gemma, 32768, "gpu", REAL)
-    assert estimate.kv_cache_bytes == (8 * 32768 + 40 * (1024 + REAL.prefill_chunk - 1)) * per_position
+    assert estimate.kv_cache_bytes == (8 * 32768 + 40 * (1024 + REAL.gpu_prefill_chunk - 1)) * per_position
     fit = fit_model(gemma, pc(32, 26, [("RTX 3060", 12, 11.5)]), Preferences(), REAL)
     assert fit.level == "gpu" and fit.largest_context_that_fits > 32768
 
@@ -109,11 +110,17 @@ def test_gpu_estimate_uploads_the_quantized_file():
     e = estimate_memory(qwen, 8192, "gpu", ENGINE)
     assert e.gpu_weights_bytes == 5_027_783_488 and e.ram_weights_bytes == 0
     assert e.vram_bytes == e.gpu_weights_bytes + e.kv_cache_bytes + e.workspace_bytes + e.gpu_overhead_bytes
+    assert e.prompt_chunk == ENGINE.gpu_prefill_chunk == 2048
     assert e.workspace_bytes == workspace_bytes(qwen, 8192, ENGINE, on_gpu=True)
-    # The GPU's attention keeps partial sums, not the chunk's scores against the whole context as NumPy does.
-    # ...and the GPU's prompt path holds fp16 scratch: the gate matrix dequantized, and the chunk's FFN activations.
+    # Chunk for chunk, the GPU's attention keeps partial sums, not the chunk's scores against the whole context as
+    # NumPy does, and the GPU's prompt path holds fp16 scratch: the gate matrix dequantized, and the chunk's FFN
+    # activations.
     fp16_scratch = 2 * (12288 * 4096 + 512 * 12288)
-    assert workspace_bytes(qwen, 8192, ENGINE, on_gpu=False) - e.workspace_bytes == 4 * 512 * 32 * (8192 - 130) - fp16_scratch
+    gpu_512 = workspace_bytes(qwen, 8192, ENGINE, on_gpu=True, prompt_chunk=512)
+    assert workspace_bytes(qwen, 8192, ENGINE, on_gpu=False) - gpu_512 == 4 * 512 * 32 * (8192 - 130) - fp16_scratch
+    # A token more a chunk: its activations, its attention's partial sums and its fp16 copy of the widest input.
+    per_token = 4 * activation_floats_per_token(qwen) + 4 * 32 * 130 + 2 * 12288
+    assert e.workspace_bytes - gpu_512 == (2048 - 512) * per_token
     assert 600 * MIB <= e.gpu_overhead_bytes <= 700 * MIB
     assert e.ram_required_bytes == e.ram_overhead_bytes < 1 * GIB
     assert e.ram_bytes == e.ram_required_bytes + qwen.file_bytes
@@ -165,27 +172,38 @@ def test_estimate_refuses_impossible_placements():
         estimate_memory(get_model("qwen3-8b"), 0, "gpu", ENGINE)
 
 
-def test_a_30b_a3b_on_a_12_gb_card_keeps_the_experts_of_the_fewest_layers_in_ram():
-    """The engine's own profile: the fewest layers whose experts go to RAM so the rest fits the card, and a card
-    that cannot hold even the parts that never leave the GPU is refused with what it would need."""
+@pytest.mark.parametrize("card", [("RTX 3060", 12, 11.5), ("RTX 3080", 10, 9.5)], ids=lambda c: c[0])
+def test_a_30b_a3b_on_a_12_gb_card_keeps_the_experts_of_the_fewest_layers_in_ram(card):
+    """The engine's own profile: the fewest layers whose experts go to RAM so the rest fits the card (at the
+    shortest prompt chunk), then the longest chunk that moves no more there, and a card that cannot hold even the
+    parts that never leave the GPU is refused with what it would need."""
     model, prefs = get_model("qwen3-coder-30b-a3b-instruct"), Preferences(context_length=8192)
-    fit = fit_model(model, pc(64, 58, [("RTX 3060", 12, 11.5)]), prefs, REAL)
-    layers = fit.memory.expert_layers_in_ram
+    fit = fit_model(model, pc(64, 58, [card]), prefs, REAL)
+    layers, chunk = fit.memory.expert_layers_in_ram, fit.memory.prompt_chunk
     assert fit.level == "gpu+ram" and 1 <= layers < 48 and fit.context_length == 8192
-    budget = 0.95 * 11.5 * GIB
+    budget = 0.95 * card[2] * GIB
     assert fit.memory.vram_bytes <= budget
-    assert estimate_memory(model, 8192, "gpu+ram", REAL, expert_layers_in_ram=layers - 1).vram_bytes > budget
+    fewer = estimate_memory(model, 8192, "gpu+ram", REAL, expert_layers_in_ram=layers - 1,
+                            prompt_chunk=REAL.prefill_chunk)
+    assert fewer.vram_bytes > budget
     assert f"with the experts of {layers} of its layers in RAM" in fit.reason
-    # What the whole layers leave of the card holds each RAM layer's most picked experts: as many as fit.
+    assert REAL.prefill_chunk <= chunk <= REAL.gpu_prefill_chunk
+    if chunk < REAL.gpu_prefill_chunk:
+        longer = estimate_memory(model, 8192, "gpu+ram", REAL, expert_layers_in_ram=layers, prompt_chunk=2 * chunk)
+        assert longer.vram_bytes > budget
+    # What the whole layers and the chunk leave of the card holds each RAM layer's most picked experts: as many as
+    # fit (the 10 GB card's leftover holds one).
     slots = fit.memory.expert_cache_slots
-    assert slots > 0 and f"the GPU also holds the {slots} experts each of those layers picks most" in fit.reason
-    one_more = estimate_memory(model, 8192, "gpu+ram", REAL, expert_layers_in_ram=layers, expert_cache_slots=slots + 1)
+    assert slots > 0 or card[1] == 12
+    assert slots == 0 or f"the GPU also holds the {slots} experts each of those layers picks most" in fit.reason
+    one_more = estimate_memory(model, 8192, "gpu+ram", REAL, expert_layers_in_ram=layers, expert_cache_slots=slots + 1,
+                               prompt_chunk=chunk)
     assert one_more.vram_bytes > budget
     assert fit.memory.expert_cache_bytes == round(model.expert_bytes * layers / 48 * slots / 128)
     uncached = estimate_memory(model, 8192, "gpu+ram", REAL, expert_layers_in_ram=layers)
     # (each side rounds once, from different products: a byte apart at most)
     assert abs(fit.memory.ram_expert_bytes_per_token - uncached.ram_expert_bytes_per_token * (1 - slots / 128)) <= 1
-    without = fit_model(model, pc(64, 58, [("RTX 3060", 12, 11.5)]), prefs,
+    without = fit_model(model, pc(64, 58, [card]), prefs,
                         REAL.model_copy(update={"hot_expert_cache": False}))
     assert without.memory.expert_cache_slots == 0 and without.memory.expert_layers_in_ram == layers
     small = fit_model(model, pc(16, 12, [("GT 1030", 2, 1.2)]), prefs, REAL)
@@ -197,9 +215,12 @@ def test_largest_context_is_exactly_the_boundary():
     fit = fit_model(get_model("qwen3-4b"), busy, Preferences(), ENGINE)
     assert fit.level == "gpu" and fit.context_length == fit.largest_context_that_fits < 8192
     budget = 0.95 * 3.8 * GIB
-    qwen = get_model("qwen3-4b")
-    assert estimate_memory(qwen, fit.largest_context_that_fits, "gpu", ENGINE).vram_bytes <= budget
-    assert estimate_memory(qwen, fit.largest_context_that_fits + 1, "gpu", ENGINE).vram_bytes > budget
+    qwen, largest = get_model("qwen3-4b"), fit.largest_context_that_fits
+    # The boundary is the shortest prompt chunk's: a longer one spends memory the context could have.
+    assert fit.memory.prompt_chunk == ENGINE.prefill_chunk
+    assert estimate_memory(qwen, largest, "gpu", ENGINE, prompt_chunk=ENGINE.prefill_chunk).vram_bytes <= budget
+    assert estimate_memory(qwen, largest + 1, "gpu", ENGINE, prompt_chunk=ENGINE.prefill_chunk).vram_bytes > budget
+    assert estimate_memory(qwen, largest, "gpu", ENGINE, prompt_chunk=2 * ENGINE.prefill_chunk).vram_bytes > budget
 
 
 # One row per made-up PC: (PC, goal, engine, extra preferences) -> (chosen id, level, context, words in the why).
@@ -216,7 +237,7 @@ TABLE = [
     ("16 GB RAM, 8 GB card", pc(16, 12, [("RTX 4060", 8, 7.5)]), "speed", ENGINE, {},
      ("llama-3.2-3b-instruct", "gpu", 8192, ["Runs on the GPU (RTX 4060)", "fastest useful model", "1.9 GB"])),
     ("32 GB RAM, 8 GB card", pc(32, 26, [("RTX 4060", 8, 7.5)]), "code", ENGINE, {},
-     ("qwen3-8b", "gpu", 8192, ["Runs on the GPU (RTX 4060): 6.6 GB of the 7.5 GB free VRAM"])),
+     ("qwen3-8b", "gpu", 8192, ["Runs on the GPU (RTX 4060): 6.9 GB of the 7.5 GB free VRAM"])),
     ("32 GB RAM, 12 GB card", pc(32, 26, [("RTX 3060", 12, 11.5)]), "chat", ENGINE, {},
      ("qwen3-14b", "gpu", 8192, ["Runs on the GPU (RTX 3060)", "best model for chat"])),
     ("64 GB RAM, 16 GB card", pc(64, 55, [("RTX 4080", 16, 15.3)]), "chat", ENGINE, {},
@@ -224,7 +245,7 @@ TABLE = [
     ("64 GB RAM, 24 GB card", pc(64, 55, [("RTX 4090", 24, 23.5)]), "code", ENGINE, {},
      ("qwen3-coder-30b-a3b-instruct", "gpu", 8192, ["Runs on the GPU (RTX 4090): 18 GB", "best model for code"])),
     ("128 GB RAM, 24 GB card", pc(128, 120, [("RTX 4090", 24, 23.5)]), "chat", ENGINE, {},
-     ("qwen3-32b", "gpu", 8192, ["Runs on the GPU (RTX 4090): 21 GB of the 24 GB free VRAM"])),
+     ("qwen3-32b", "gpu", 8192, ["Runs on the GPU (RTX 4090): 22 GB of the 24 GB free VRAM"])),
     ("24 GB card, other programs hold 20.5 GB", pc(32, 26, [("RTX 4090", 24, 3.5)]), "chat", ENGINE, {},
      ("llama-3.2-3b-instruct", "gpu", 6739, ["of the 3.5 GB free VRAM", "context reduced from 8192 to fit"])),
     ("24 GB card, 32768 tokens asked", pc(32, 26, [("RTX 4090", 24, 23.5)]), "chat", ENGINE,
@@ -424,9 +445,11 @@ def test_start_loads_with_the_fits_placement(monkeypatch, tmp_path):
     monkeypatch.setattr(start, "probe", lambda *args: pc(64, 58, [("RTX 4090", 24, 23.5)]))
     runtime = SimpleNamespace(store=SimpleNamespace(data_dir=tmp_path))
     coder = "qwen3-coder-30b-a3b-instruct"
-    assert start._fitted(runtime, coder, start.StartInput(model=coder)) == ("auto", 8192, 0, 0)  # it fits the card
-    device, context, layers, slots = start._fitted(runtime, coder, start.StartInput(model=coder, vram_gb=11.5))
-    assert (device, context) == ("auto", 8192) and layers == 23 and slots == 2  # as choose_model's 12 GB card row says
+    # It fits the card, with the GPU's longest prompt chunk.
+    assert start._fitted(runtime, coder, start.StartInput(model=coder)) == ("auto", 8192, 0, 0, 2048)
+    device, context, layers, slots, chunk = start._fitted(runtime, coder, start.StartInput(model=coder, vram_gb=11.5))
+    # As choose_model's 12 GB card row says: 2,048-token chunks would move a layer more to RAM.
+    assert (device, context, layers, slots, chunk) == ("auto", 8192, 23, 0, 1024)
     monkeypatch.setattr(start, "probe", lambda *args: pc(16, 12, [("RTX 4090", 24, 23.5)]))
     with pytest.raises(UserError, match="does not fit in 0.5 GB of GPU memory"):
         start._fitted(runtime, coder, start.StartInput(model=coder, vram_gb=0.5))
@@ -435,7 +458,8 @@ def test_start_loads_with_the_fits_placement(monkeypatch, tmp_path):
     with pytest.raises(UserError, match="does not fit in 7.5 GB"):
         start._fitted(runtime, "qwen3-8b", qwen)
     q8 = qwen.model_copy(update={"kv_cache": "q8_0"})
-    assert start._fitted(runtime, "qwen3-8b", q8) == ("auto", 16384, 0, 0)
+    assert start._fitted(runtime, "qwen3-8b", q8)[:4] == ("auto", 16384, 0, 0)
+    assert start._fitted(runtime, "qwen3-8b", qwen.model_copy(update={"device": "cpu", "vram_gb": None}))[4] is None
 
 
 def test_types_without_a_cpu_kernel_make_a_model_too_slow_for_the_cpu_and_keep_its_experts_off_ram():
@@ -522,14 +546,14 @@ def test_workspace_counts_the_buffers_the_engine_allocates(tmp_path, arch):
 @pytest.mark.parametrize("model_id", ["qwen3.8-27b", "qwen3.6-35b-a3b"])
 def test_the_delta_rules_gpu_scratch_is_counted(model_id):
     """The fit's count of the chunked delta rule's GPU scratch is the engine's (kernel_names.delta_chunk_scratch),
-    and it is in the GPU workspace: at the 27B shape about 35 MB for a 512-token chunk."""
+    and it is in the GPU workspace: at the 27B shape about 138 MB for a 2,048-token chunk."""
     import numpy as np
 
     from engine.kernels.kernel_names import DELTA_CHUNK_SCRATCH_TYPES, delta_chunk_scratch
     from setup_logic.fit import delta_chunk_scratch_bytes
 
     model = get_model(model_id)
-    la, chunk = model.linear_attention, REAL.prefill_chunk
+    la, chunk = model.linear_attention, REAL.gpu_prefill_chunk
     engine = sum(int(np.prod(shape)) * np.dtype(t).itemsize for shape, t in
                  zip(delta_chunk_scratch(chunk, la.value_heads, la.key_dim, la.value_dim), DELTA_CHUNK_SCRATCH_TYPES))
     assert delta_chunk_scratch_bytes(model, chunk, REAL) == engine
@@ -537,4 +561,4 @@ def test_the_delta_rules_gpu_scratch_is_counted(model_id):
     gpu = workspace_bytes(model, 8192, REAL, on_gpu=True) - workspace_bytes(dense, 8192, REAL, on_gpu=True)
     assert gpu > engine
     if model_id == "qwen3.8-27b":
-        assert 34e6 < engine < 35e6
+        assert 138e6 < engine < 139e6

@@ -110,9 +110,10 @@ def test_types_without_a_gpu_kernel_are_refused_at_load(tmp_path):
 
 @pytest.mark.parametrize("kv_cache", ["full", "q8_0"])
 def test_sliding_window_ring_matches_cpu(tmp_path, tokenizer_source, kv_cache):
-    """The tiny Gemma 3 (window 5) with more context than window + chunk - 1 positions: its sliding layers keep a
-    ring (engine/kv_cache.py WindowedCache; held to transformers on the CPU by tests/test_engine_gemma3.py), which a
-    700-token prompt and the decode steps after it wrap; the GPU's logits and greedy tokens against the CPU path's."""
+    """The tiny Gemma 3 (window 5) with more context than window + chunk - 1 positions (the GPU given the CPU's
+    512-token chunks, as its own are the whole context here): its sliding layers keep a ring (engine/kv_cache.py
+    WindowedCache; held to transformers on the CPU by tests/test_engine_gemma3.py), which a 700-token prompt and the
+    decode steps after it wrap; the GPU's logits and greedy tokens against the CPU path's."""
     import torch
 
     from engine.kv_cache import WindowedCache
@@ -123,7 +124,7 @@ def test_sliding_window_ring_matches_cpu(tmp_path, tokenizer_source, kv_cache):
     path = tmp_path / "tiny-gemma3.gguf"
     write_gguf(hf, "gemma3", path, tokenizer_source, context_length=1024)
     cpu = load_model(path, device="cpu", context_length=1024, kv_cache_type=kv_cache)
-    gpu = load_model(path, device="cuda", context_length=1024, kv_cache_type=kv_cache)
+    gpu = load_model(path, device="cuda", context_length=1024, kv_cache_type=kv_cache, prompt_chunk=512)
     try:
         for model in (cpu, gpu):
             cache = model._state.cache

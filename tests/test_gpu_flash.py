@@ -97,7 +97,7 @@ def test_long_prompt_logits_match_the_older_chunk_path(tmp_path, monkeypatch):
     flash_attention = K.flash_attention
     monkeypatch.setattr(K, "flash_attention", lambda *args: (launches.append(1), flash_attention(*args)))
     flash, _ = model.prompt_logits(ids, all_positions=True)
-    assert len(launches) == 2 * 8  # every layer of every 512-token chunk
+    assert len(launches) == 2 * -(-4096 // model._state.workspace.max_chunk)  # every layer of every chunk
     monkeypatch.setattr(K, "flash_attention_capable", lambda n_heads, n_kv: False)
     older, _ = model.prompt_logits(ids, all_positions=True)
     model.close()

@@ -62,14 +62,14 @@ def _pick_model(runtime: Runtime, requested: str | None) -> str:
     raise UserError(f"Several models are installed ({', '.join(installed)}); pass model to say which to start.")
 
 
-def _fitted(runtime: Runtime, model_id: str, args: StartInput) -> tuple[str, int | None, int, int]:
-    """The device, context and experts placement (layers in RAM, cache slots) choose_model's fit picks for this
-    model on this PC (within vram_gb when given), so the two agree; the engine's defaults for a model the catalog
-    does not know."""
+def _fitted(runtime: Runtime, model_id: str, args: StartInput) -> tuple[str, int | None, int, int, int | None]:
+    """The device, context, experts placement (layers in RAM, cache slots) and prompt chunk choose_model's fit picks
+    for this model on this PC (within vram_gb when given), so the two agree; the engine's defaults for a model the
+    catalog does not know."""
     try:
         model = get_model(model_id)
     except UnknownModelError:  # installed from a catalog that is no longer configured
-        return args.device, args.context_length, 0, 0
+        return args.device, args.context_length, 0, 0, None
     vram = 0 if args.device == "cpu" else None if args.vram_gb is None else round(args.vram_gb * GIB)
     prefs = Preferences(context_length=args.context_length, vram_bytes_override=vram, kv_cache=args.kv_cache)
     fit = fit_model(model, probe(runtime.store.data_dir, engine_profile()), prefs, engine_profile())
@@ -78,13 +78,14 @@ def _fitted(runtime: Runtime, model_id: str, args: StartInput) -> tuple[str, int
     device = "cpu" if fit.level == "cpu" and args.device == "auto" and args.vram_gb is not None else args.device
     split = fit.level == "gpu+ram" and fit.memory is not None
     layers, slots = (fit.memory.expert_layers_in_ram, fit.memory.expert_cache_slots) if split else (0, 0)
-    return device, args.context_length or fit.context_length, layers or 0, slots
+    chunk = fit.memory.prompt_chunk if fit.memory is not None and fit.level != "cpu" and device != "cpu" else None
+    return device, args.context_length or fit.context_length, layers or 0, slots, chunk
 
 
 def run(runtime: Runtime, args: StartInput, reporter: Reporter) -> StartOutput:
     model_id = _pick_model(runtime, args.model)
-    device, context, layers_in_ram, cache_slots = _fitted(runtime, model_id, args)
-    runtime.start_model(model_id, device, context, layers_in_ram, cache_slots, args.kv_cache)
+    device, context, layers_in_ram, cache_slots, chunk = _fitted(runtime, model_id, args)
+    runtime.start_model(model_id, device, context, layers_in_ram, cache_slots, args.kv_cache, chunk)
     slot = runtime.wait_until_loaded(args.wait_seconds, reporter.cancelled, reporter.progress)
     status = engine_status(slot, runtime.memory_estimate(slot))
     if slot.state in ("ready", "busy"):
