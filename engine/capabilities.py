@@ -43,10 +43,11 @@ DEQUANT_SLICE_ROWS = 128
 HOST_EXPERT_THREADS = int(os.environ.get("STRATA_CPU_THREADS") or max(1, (os.cpu_count() or 2) - 1))
 # RAM the CPU kernels' layout (engine/cpu/layout.py) takes per byte of the file, for each type it repacks (the others
 # keep their file's bytes): the legacy types hold float32 group scales, the K-quants their own 8-bit ones under
-# float32 super-block scales, Q3_K and IQ3_S the Q6_K layout (tests/test_cpu_kernels.py holds each type to its ratio). The fit
-# counts experts kept in RAM at the largest ratio among a model's types, a whole model on the CPU at its quant's.
+# float32 super-block scales, Q3_K its own two- and one-bit planes, IQ3_S the Q6_K layout (tests/test_cpu_kernels.py
+# holds each type to its ratio). The fit counts experts kept in RAM at the largest ratio among a model's types, a
+# whole model on the CPU at its quant's.
 CPU_BYTES_PER_FILE_BYTE = {"Q4_0": 24 / 18, "Q4_1": 24 / 20, "Q5_0": 28 / 22, "Q5_1": 28 / 24, "Q8_0": 36 / 34,
-                           "Q4_K": 152 / 144, "Q5_K": 184 / 176, "Q6_K": 212 / 210, "Q3_K": 212 / 110,
+                           "Q4_K": 152 / 144, "Q5_K": 184 / 176, "Q6_K": 212 / 210, "Q3_K": 116 / 110,
                            "Q2_K": 152 / 84, "IQ4_XS": 140 / 136, "IQ3_S": 212 / 110}
 GPU_KV_DTYPE = np.dtype(np.float16)
 CPU_KV_DTYPE = np.dtype(np.float32)

@@ -58,7 +58,7 @@ def _weight(qtype: T, rows: int, k: int, rng) -> tuple[np.ndarray, np.ndarray, n
         T.Q4_K: lambda: 63 * _f16(blocks, 2),  # dmin times a 6-bit min
         T.Q5_K: lambda: 63 * _f16(blocks, 2),
         T.Q6_K: lambda: 32 * 128 * _f16(blocks, 208),  # d times an int8 scale, times the -32 of the quants
-        T.Q3_K: lambda: 32 * 32 * _f16(blocks, 108),  # the same in Q6_K's layout, its scales within [-32, 31]
+        T.Q3_K: lambda: 4 * 32 * _f16(blocks, 108),  # d times a 6-bit scale minus 32, times the -4 of the quants
         T.IQ4_XS: lambda: 128 * 32 * _f16(blocks, 0),  # the levels read plus 128, under scales within [-32, 31]
         T.Q2_K: lambda: 15 * _f16(blocks, 82),  # dmin times a 4-bit min
         T.IQ3_S: lambda: 32 * 31 * _f16(blocks, 0),  # Q6_K's layout again, under odd scales up to 31
@@ -243,7 +243,7 @@ def test_experts_marked_below_zero_are_left_to_the_gpu(n):
 # Bytes a packed 32-value group takes: the legacy types' float32 scale (and offset); the K-quants' own 8-bit scale
 # (and min) and a share of the float32 super-block scales of every 8 groups (Q4_K: 16 + 1 + 1 + 8 / 8).
 GROUP_BYTES = {T.Q4_0: 24, T.Q4_1: 24, T.Q5_0: 28, T.Q5_1: 28, T.Q8_0: 36, T.Q4_K: 19, T.Q5_K: 23, T.Q6_K: 26.5,
-               T.Q3_K: 26.5, T.Q2_K: 19, T.IQ4_XS: 17.5, T.IQ3_S: 26.5}
+               T.Q3_K: 14.5, T.Q2_K: 19, T.IQ4_XS: 17.5, T.IQ3_S: 26.5}
 
 
 @pytest.mark.parametrize("qtype", [*QUANTIZABLE, *RANDOM_BLOCKS], ids=lambda t: t.name)
@@ -252,8 +252,8 @@ def test_packed_weights_take_about_the_file_size(qtype):
     raw, _, _ = _weight(qtype, 64, 1024, rng)
     w = weights.load("w", raw, qtype, (64, 1024))
     assert w.planes is not None and w.dense is None and w.nbytes == GROUP_BYTES[qtype] * 64 * 1024 // 32
-    if qtype in RANDOM_BLOCKS:  # the K-quants within 12% of their file; Q3_K and IQ3_S (in Q6_K's layout) and Q2_K
-        assert w.nbytes <= (2 if qtype in (T.Q3_K, T.IQ3_S, T.Q2_K) else 1.12) * raw.nbytes  # within twice it
+    if qtype in RANDOM_BLOCKS:  # the K-quants within 12% of their file; IQ3_S (in Q6_K's layout) and Q2_K
+        assert w.nbytes <= (2 if qtype in (T.IQ3_S, T.Q2_K) else 1.12) * raw.nbytes  # within twice it
 
 
 def test_the_engine_profile_gives_each_packed_type_s_bytes_per_file_byte():

@@ -156,10 +156,11 @@ def test_experts_split_between_gpu_and_ram():
     assert half.vram_bytes == (half.gpu_weights_bytes + half.expert_staging_bytes + half.kv_cache_bytes
                                + half.workspace_bytes + half.gpu_overhead_bytes + half.recurrent_state_bytes)
     assert estimate_memory(coder, 8192, "gpu", MOE_QUANT).expert_staging_bytes == 0
-    # Q3_K takes Q6_K's layout on the CPU, about twice its file's bytes: the largest ratio among the file's types.
+    # Q3_K's own layout on the CPU: 14.5 bytes a group against the file's 13.75, beside Q6_K's 26.5 against 26.25:
+    # the largest ratio among the file's types.
     q3 = get_model("qwen3-30b-a3b")
     all_in_ram = estimate_memory(q3, 8192, "gpu+ram", MOE_QUANT, expert_layers_in_ram=q3.n_layers)
-    assert all_in_ram.ram_weights_bytes == round(q3.expert_bytes * 212 / 110)
+    assert all_in_ram.ram_weights_bytes == round(q3.expert_bytes * 116 / 110)
 
 
 def test_estimate_refuses_impossible_placements():
@@ -471,13 +472,27 @@ def test_types_without_a_cpu_kernel_make_a_model_too_slow_for_the_cpu_and_keep_i
     assert fit.level == "none" and "the CPU has no kernel for its IQ3_XXS tensors" in fit.reason
     for kernels in ("qwen3-coder-30b-a3b-instruct", "qwen3-30b-a3b"):  # Q4_K/Q5_K/Q6_K/Q8_0, and Q3_K
         assert fit_model(get_model(kernels), pc(64, 60), Preferences(), REAL).level == "cpu"
-    # Q3_K in Q6_K's layout takes about twice its file: 13 GB of Q3_K_S no longer fits 23 GB of RAM on the CPU.
-    assert fit_model(get_model("qwen3-30b-a3b"), pc(24, 23), Preferences(), REAL).level == "none"
+    # Q3_K's layout takes about its file's bytes: 13 GB of Q3_K_S fits 23 GB of RAM on the CPU.
+    assert fit_model(get_model("qwen3-30b-a3b"), pc(24, 23), Preferences(), REAL).level == "cpu"
     small = pc(64, 60, [("RTX 4070", 12, 11.5)])
     xxs_on_gpu = REAL.model_copy(update={"gpu_tensor_types": REAL.gpu_tensor_types | {"IQ3_XXS"}})
     assert fit_model(xxs, small, Preferences(context_length=8192), xxs_on_gpu).level != "gpu+ram"
     coder = fit_model(get_model("qwen3-coder-30b-a3b-instruct"), small, Preferences(context_length=8192), REAL)
     assert coder.level == "gpu+ram"
+
+
+def test_qwen3_235b_a22b_is_offered_where_ram_and_vram_hold_it():
+    """The 104 GB UD-Q3_K_XL file (Q3_K, Q4_K, Q5_K and Q6_K, each about its file's bytes in the CPU's layout) with
+    most of its experts in RAM: a 24 GB card beside 96 GB of RAM, or a 12 GB one beside 128 GB; not 64 GB of RAM."""
+    model = get_model("qwen3-235b-a22b")
+    for ram, card in ((96, ("RTX 4090", 24, 23.5)), (128, ("RTX 3060", 12, 11.5))):
+        fit = fit_model(model, pc(ram, ram - 6, [card]), Preferences(), REAL)
+        assert fit.level == "gpu+ram" and fit.context_length == 8192, fit.reason
+        assert fit.memory.ram_required_bytes <= 0.95 * (ram - 6) * GIB
+        ratio = max(REAL.cpu_bytes_per_file_byte[t] for t in ("Q3_K", "Q4_K", "Q5_K", "Q6_K"))
+        layers = fit.memory.expert_layers_in_ram
+        assert fit.memory.ram_weights_bytes == round(round(model.expert_bytes * layers / model.n_layers) * ratio)
+    assert fit_model(model, pc(64, 58, [("RTX 4090", 24, 23.5)]), Preferences(), REAL).level == "none"
 
 
 def test_iq3_s_runs_on_the_cpus_kernels_at_about_twice_its_file():

@@ -76,6 +76,8 @@ def test_moe_route(n_experts, top_k, normalize, extra):
 
 
 MIXES = [(T.Q4_K, T.Q6_K), (T.Q4_0, T.Q8_0), (T.Q5_K, T.Q5_1), (T.F16, T.F16), (T.F32, T.F32)]
+# Experts kept in RAM, in every layout of the CPU's kernels that the GPU reads (kernel_names.HOST_LAYOUTS).
+HOST_MIXES = [*MIXES[:3], (T.Q3_K, T.Q4_K)]
 
 
 def run_moe_ffn(backend, handles, x, ids, weights, f):
@@ -124,11 +126,12 @@ def test_moe_ffn(gate_type, down_type, n, routing):
     backend.close()
 
 
-@pytest.mark.parametrize("gate_type,down_type", MIXES[:3], ids=lambda t: t.name)
+@pytest.mark.parametrize("gate_type,down_type", HOST_MIXES, ids=lambda t: t.name)
 def test_moe_ffn_of_experts_in_ram_streamed_to_the_gpu(gate_type, down_type):
     """Experts kept in RAM in the CPU kernels' layout: a chunk of STREAM_MIN_TOKENS or more copies each layer's to the
-    GPU, where the grouped products read that layout (all six: the K-quants' 4- and 5-bit planes with 8-bit group
-    scales under float32 super-block ones, Q6_K's, the legacy 4- and 5-bit planes with float32 scales, Q8_0's); two
+    GPU, where the grouped products read that layout (all seven: the K-quants' 4- and 5-bit planes with 8-bit group
+    scales under float32 super-block ones, Q6_K's, Q3_K's, the legacy 4- and 5-bit planes with float32 scales,
+    Q8_0's); two
     layers in turn, so the second is the prefetched copy and the first is copied again into the same buffer."""
     rng = np.random.default_rng()
     backend = CupyBackend()
@@ -183,7 +186,7 @@ def test_moe_cache_ids_splits_a_token_s_picks_between_cache_bus_and_host(top_k):
 
 
 @pytest.mark.parametrize("bus", [4, 2])
-@pytest.mark.parametrize("gate_type,down_type", MIXES[:3], ids=lambda t: t.name)
+@pytest.mark.parametrize("gate_type,down_type", HOST_MIXES, ids=lambda t: t.name)
 def test_moe_ffn_decode_reads_experts_in_ram_over_the_bus(gate_type, down_type, bus):
     """One token's experts kept in RAM (page-locked, the CPU kernels' layout): the GPU reads `bus` of its 4 experts
     in place over the bus (the decode products built for those layouts) and the CPU computes the others; two tokens

@@ -100,19 +100,19 @@ def _nibbles(builder, lo):
     return _concat(builder, builder.and_(lo, _const(_I8, [15] * 16)), builder.lshr(lo, _const(_I8, [4] * 16)))
 
 
-def _fifth_bits(builder, hi):
-    """4 bytes, bit i of their little-endian word the fifth bit of value i -> <32 x u8> of 0 or 16."""
+def _bit_values(builder, hi, value):
+    """4 bytes, bit i of their little-endian word a bit of value i -> <32 x u8> of 0 or `value` (that bit's)."""
     spread = _shuffle(builder, hi, hi, [i // 8 for i in range(32)])
     bits = builder.and_(spread, _const(_I8, [1 << (i % 8) for i in range(32)]))
     return builder.select(builder.icmp_unsigned("!=", bits, _const(_I8, [0] * 32)),
-                          _const(_I8, [16] * 32), _const(_I8, [0] * 32))
+                          _const(_I8, [value] * 32), _const(_I8, [0] * 32))
 
 
-def _two_high_bits(builder, hi):
-    """8 bytes, bits 2s..2s+1 of byte t the top bits of value t + 8 s -> <32 x u8> of those bits times 16."""
-    parts = [builder.lshr(hi, _const(_I8, [2 * s] * 8)) for s in range(4)]
+def _two_bit_values(builder, b):
+    """8 bytes, bits 2s..2s+1 of byte t two bits of value t + 8 s -> <32 x u8> of those two bits."""
+    parts = [builder.lshr(b, _const(_I8, [2 * s] * 8)) for s in range(4)]
     spread = _concat(builder, _concat(builder, parts[0], parts[1]), _concat(builder, parts[2], parts[3]))
-    return builder.shl(builder.and_(spread, _const(_I8, [3] * 32)), _const(_I8, [4] * 32))
+    return builder.and_(spread, _const(_I8, [3] * 32))
 
 
 def _splat(builder, value, n=8):
@@ -123,8 +123,10 @@ def _splat(builder, value, n=8):
 
 # family: (bytes a group in lo, bytes a group in hi, signed quants).
 FAMILIES = {"nibble": (16, 0, False), "nibble5": (16, 4, False), "q8": (32, 0, True), "iq4": (16, 0, False), "q2k": (16, 0, False),
-            "nibble_k": (16, 0, False), "nibble5_k": (16, 4, False), "q6k": (16, 8, False)}
-K_FAMILIES = ("nibble_k", "nibble5_k", "q6k", "iq4", "q2k")
+            "nibble_k": (16, 0, False), "nibble5_k": (16, 4, False), "q6k": (16, 8, False), "q3k": (8, 4, False)}
+K_FAMILIES = ("nibble_k", "nibble5_k", "q6k", "q3k", "iq4", "q2k")
+# What the families with a signed scale store their quants plus (the IQ4 levels read plus 128).
+STORED_PLUS = {"q6k": 32.0, "q3k": 4.0, "iq4": 128.0}
 # IQ4_XS's 16 levels (engine/quants_iq.py IQ4NL_VALUES) plus 128: what a nibble of the "iq4" family stands for.
 _IQ4_LEVELS = [int(v) + 128 for v in IQ4NL_VALUES]
 
@@ -137,12 +139,16 @@ def _group_quants(builder, family, lo_p, hi_p, group):
     lo = _load(builder, lo_p, lo_at, lo_bytes)
     if signed:
         return lo
+    hi = _load(builder, hi_p, builder.mul(group, _I64(hi_bytes)), hi_bytes) if hi_bytes else None
+    if family == "q3k":  # two low bits a value as q6k keeps its top ones, and the third bit a bit a value
+        return builder.or_(_two_bit_values(builder, lo), _bit_values(builder, hi, 4))
     u = _nibbles(builder, lo)
     if family == "iq4":
         return _levels(builder, u)
-    if hi_bytes:
-        hi = _load(builder, hi_p, builder.mul(group, _I64(hi_bytes)), hi_bytes)
-        u = builder.or_(u, _fifth_bits(builder, hi) if hi_bytes == 4 else _two_high_bits(builder, hi))
+    if hi_bytes == 4:
+        u = builder.or_(u, _bit_values(builder, hi, 16))
+    elif hi_bytes:
+        u = builder.or_(u, builder.shl(_two_bit_values(builder, hi), _const(_I8, [4] * 32)))
     return u
 
 
@@ -224,7 +230,7 @@ def _k_row_codegen(family):
     times the super-block's float32 scale and the activation's, and their offsets are summed in the same pass. (An
     integer-to-float step and two loads in every group's step made that loop 25% slower on one Zen core, bound by
     its instructions.)"""
-    q6k, iq4, q2k = family == "q6k", family == "iq4", family == "q2k"
+    q6k, iq4, q2k = family in ("q6k", "q3k"), family == "iq4", family == "q2k"  # q3k: q6k's scales
     halves = q6k or q2k  # a scale (and a min) for each 16 values
 
     def codegen(context, builder, sig, args):
@@ -281,8 +287,8 @@ def _k_row_codegen(family):
                                    builder.add(first_b, _I64(g)), picked, total, x_bits)
             builder.store(total, acc)
         offset = _reduce(builder, builder.load(offsets))
-        if q6k or iq4:  # the quants are stored plus 32, the levels read plus 128
-            offset = builder.fmul(offset, _F32(32.0 if q6k else 128.0), flags=_FAST)
+        if family in STORED_PLUS:
+            offset = builder.fmul(offset, _F32(STORED_PLUS[family]), flags=_FAST)
         return builder.fsub(_reduce(builder, builder.load(acc)), offset, flags=_FAST)
 
     return codegen
@@ -305,8 +311,8 @@ def _row_intrinsic(family):
     return row_dot
 
 
-_NIBBLE, _NIBBLE5, _NIBBLE_K, _NIBBLE5_K, _Q8, _Q6K, _IQ4, _Q2K = (
-    _row_intrinsic(family) for family in ("nibble", "nibble5", "nibble_k", "nibble5_k", "q8", "q6k", "iq4", "q2k"))
+_NIBBLE, _NIBBLE5, _NIBBLE_K, _NIBBLE5_K, _Q8, _Q6K, _Q3K, _IQ4, _Q2K = (
+    _row_intrinsic(family) for family in ("nibble", "nibble5", "nibble_k", "nibble5_k", "q8", "q6k", "q3k", "iq4", "q2k"))
 
 
 _JIT = dict(nogil=True, fastmath=set(_FAST), cache=not _PORTABLE, error_model="numpy", boundscheck=False)
@@ -405,13 +411,20 @@ def q6k_rows(lo, hi, d, sup, xq, dx, halves, out, r0, r1):
         out[r - r0] = _Q6K(lo, hi, d, sup, xq, dx, halves, r, dx.shape[0])
 
 
+@njit(**_JIT)
+def q3k_rows(lo, hi, d, sup, xq, dx, halves, out, r0, r1):
+    """value = sup d[half] ((two low bits | third bit << 2) - 4); d and sup as q6k_rows'."""
+    for r in range(r0, r1):
+        out[r - r0] = _Q3K(lo, hi, d, sup, xq, dx, halves, r, dx.shape[0])
+
+
 # Row blocks of one product run on numba's thread pool, which must take calls from any Python thread (the MCP tools
 # and the HTTP endpoint answer on threads of their own): OpenMP or TBB, not numba's default workqueue.
 numba.config.THREADING_LAYER = "threadsafe"
 
 # The kernels below take a matrix as its planes (lo, hi, d, m, sup: layout.Planes.arrays()) with its family's code,
 # and an activation as (q, scale, sums, half_sums): one compiled kernel serves every family.
-FAMILY_CODES = {"nibble": 0, "nibble_k": 1, "q8": 2, "q6k": 3, "iq4": 4, "q2k": 5}
+FAMILY_CODES = {"nibble": 0, "nibble_k": 1, "q8": 2, "q6k": 3, "iq4": 4, "q2k": 5, "q3k": 6}
 
 
 @njit(**_JIT)
@@ -429,8 +442,10 @@ def family_rows(family, w, x, a, out, r0, r1):
         q6k_rows(lo, hi, d, sup, xq, dx, hs, out, r0, r1)
     elif family == 4:
         iq4_rows(lo, d, sup, xq, dx, xs, out, r0, r1)
-    else:
+    elif family == 5:
         q2k_rows(lo, d, sup, xq, dx, hs, out, r0, r1)
+    else:
+        q3k_rows(lo, hi, d, sup, xq, dx, hs, out, r0, r1)
 
 
 # A range (r0, r1, o, a) computes rows [r0, r1) of a matrix with activation row a into out[o : o + r1 - r0]: one

@@ -16,16 +16,17 @@ order for Q4_0), so a kernel widens a group to 32 bytes with one mask and one sh
 - "iq4" (IQ4_XS): value = (sup[b // 8] * d[b]) * IQ4NL_VALUES[nibble], d each group's 6-bit scale minus 32 (int8),
   `sup` the super-block's fp16 d as float32; the kernels read IQ4NL_VALUES + 128 (unsigned) and take 128 times the
   group's activation sum off, as the other unsigned families take their offsets.
-- "q6k" (Q6_K, Q3_K, IQ3_S): value = (sup[b // 8] * d[2 b + half]) * ((lo | hi2 << 4) - 32), d the int8 scale of
-  each 16 values, `hi` 8 bytes a group, bits 2 s..2 s + 1 of byte t the top bits of value t + 8 s. A Q3_K quant q in
-  [-4, 3] is stored as q + 32 under its 6-bit scale minus 32, an IQ3_S level (a grid value under its sign, in
-  [-15, 15]) as level + 32 under its group's odd scale 1 + 2 s (both halves of the group): gguf's own float32 steps,
-  read by the Q6_K kernels, at twice the file's bytes (a kernel of its own would read 13.75 bytes a group instead of
-  26.5).
+- "q6k" (Q6_K, IQ3_S): value = (sup[b // 8] * d[2 b + half]) * ((lo | hi2 << 4) - 32), d the int8 scale of each 16
+  values, `hi` 8 bytes a group, bits 2 s..2 s + 1 of byte t the top bits of value t + 8 s. An IQ3_S level (a grid
+  value under its sign, in [-15, 15]) is stored as level + 32 under its group's odd scale 1 + 2 s (both halves of
+  the group): gguf's own float32 steps, read by the Q6_K kernels, at twice the file's bytes.
+- "q3k" (Q3_K): value = (sup[b // 8] * d[2 b + half]) * ((lo2 | hi << 2) - 4), a quant in [-4, 3] stored plus 4
+  under its 6-bit scale minus 32 (int8, "q6k"'s d and sup): `lo` 8 bytes a group of its two low bits (bits 2 s..2 s
+  + 1 of byte t: value t + 8 s, as "q6k" keeps its top ones), `hi` 4 bytes a group of third bits (bit i: value i).
 
 The K-quants keep about their file's size (Q4_K 19 bytes a group against 18, Q5_K 23 against 22, Q6_K 26.5
-against 26.25; Q3_K, in Q6_K's layout, 26.5 against 13.75): a mixture's experts kept in RAM are read from there at
-every token. The legacy types keep float32
+against 26.25, Q3_K 14.5 against 13.75): a mixture's experts kept in RAM are read from there at every token. The
+legacy types keep float32
 scales (24 bytes a Q4_0 group against 18): the default CPU model's weights, their kernels left as measured.
 """
 
@@ -48,7 +49,7 @@ K_NIBBLE_TYPES = frozenset({T.Q4_K, T.Q5_K})
 PACKED_TYPES = NIBBLE_TYPES | K_NIBBLE_TYPES | {T.Q8_0, T.Q6_K, T.Q3_K, T.Q2_K, T.IQ4_XS, T.IQ3_S}
 # Bytes a group and bytes a super-block of each packed type.
 _BYTES = {T.Q4_0: (24, 0), T.Q4_1: (24, 0), T.Q5_0: (28, 0), T.Q5_1: (28, 0), T.Q8_0: (36, 0),
-          T.Q4_K: (18, 8), T.Q5_K: (22, 8), T.Q6_K: (26, 4), T.Q3_K: (26, 4), T.Q2_K: (18, 8),
+          T.Q4_K: (18, 8), T.Q5_K: (22, 8), T.Q6_K: (26, 4), T.Q3_K: (14, 4), T.Q2_K: (18, 8),
           T.IQ4_XS: (17, 4), T.IQ3_S: (26, 4)}
 
 
@@ -57,17 +58,18 @@ class Planes:
     """One matrix (rows, k) in the kernels' layout; `family` picks the kernel. A plane a family does not use has
     shape (rows, 0)."""
 
-    family: str  # "nibble", "nibble_k", "q8", "q6k", "q2k" or "iq4"
+    family: str  # "nibble", "nibble_k", "q8", "q6k", "q3k", "q2k" or "iq4"
     k: int
-    lo: np.ndarray  # uint8 (rows, 16 groups); int8 (rows, 32 groups) for "q8"
-    hi: np.ndarray  # uint8 (rows, 4 groups) of fifth bits, or (rows, 0); (rows, 8 groups) for "q6k"
+    lo: np.ndarray  # uint8 (rows, 16 groups); int8 (rows, 32 groups) for "q8"; uint8 (rows, 8 groups) for "q3k"
+    hi: np.ndarray  # uint8 (rows, 4 groups) of fifth (or "q3k"'s third) bits, or (rows, 0); (rows, 8 groups) for "q6k"
     # float32 (rows, groups) for "nibble" and "q8"; uint8 (rows, 2 groups), each group's 6-bit scale then its min,
-    # for "nibble_k"; int8 (rows, groups) for "iq4"; int8 (rows, 2 groups), the scale of each 16 values, for "q6k";
+    # for "nibble_k"; int8 (rows, groups) for "iq4"; int8 (rows, 2 groups), the scale of each 16 values, for "q6k"
+    # and "q3k";
     # uint8 (rows, 2 groups), the scale and min of each 16 values, for "q2k"
     d: np.ndarray
     m: np.ndarray  # float32 (rows, groups) of offsets for "nibble"
     # float32 of the fp16 super-block scales: (rows, groups / 8, 2), d and dmin, for "nibble_k" and "q2k";
-    # (rows, groups / 8) for "iq4" and "q6k"
+    # (rows, groups / 8) for "iq4", "q6k" and "q3k"
     sup: np.ndarray
 
     @property
@@ -108,7 +110,10 @@ def pack(raw: np.ndarray, qtype: T, rows: int, k: int) -> Planes:
         return _pack_q6k(blocks, rows, k)
     if qtype == T.Q3_K:
         q, scales, d = q3_k_fields(blocks)
-        return _q6k_planes((q + np.int8(32)).view(np.uint8).reshape(-1, GROUP), scales, d, rows, k)
+        q = (q + np.int8(4)).view(np.uint8).reshape(-1, GROUP)
+        return Planes("q3k", k, _two_bit_bytes(q).reshape(rows, -1),
+                      np.packbits(q >> np.uint8(2), axis=-1, bitorder="little").reshape(rows, -1),
+                      np.ascontiguousarray(scales).reshape(rows, -1), none, d.reshape(rows, -1))
     if qtype == T.IQ3_S:
         levels, odd, d = iq3_s_fields(blocks)
         return _q6k_planes((levels + np.int8(32)).view(np.uint8).reshape(-1, GROUP), np.repeat(odd, 2, axis=1), d,
@@ -149,6 +154,8 @@ def unpack(planes: Planes, rows: np.ndarray | slice, out: np.ndarray) -> None:
         unpack_rows.q2k_rows(planes.lo, planes.d, planes.sup, picked, out)
     elif planes.family == "iq4":
         unpack_rows.iq4_rows(planes.lo, planes.d, planes.sup, IQ4NL_VALUES, picked, out)
+    elif planes.family == "q3k":
+        unpack_rows.q3k_rows(planes.lo, planes.hi, planes.d, planes.sup, picked, out)
     else:
         unpack_rows.q6k_rows(planes.lo, planes.hi, planes.d, planes.sup, picked, out)
 
@@ -206,7 +213,11 @@ def _pack_q6k(blocks: np.ndarray, rows: int, k: int) -> Planes:
 
 def _q6k_planes(q: np.ndarray, scales: np.ndarray, d: np.ndarray, rows: int, k: int) -> Planes:
     """The "q6k" planes of values q + 32 (n_groups, 32) in 0-63, int8 scales (n_blocks, 16) and d (n_blocks, 1)."""
-    top = (q >> np.uint8(4)).reshape(-1, 4, 8)  # [group, s, t]: value t + 8 s
-    hi = top[:, 0] | (top[:, 1] << np.uint8(2)) | (top[:, 2] << np.uint8(4)) | (top[:, 3] << np.uint8(6))
-    return Planes("q6k", k, _nibble_bytes(q).reshape(rows, -1), hi.reshape(rows, -1), scales.reshape(rows, -1),
-                  np.zeros((rows, 0), np.float32), d.reshape(rows, -1))
+    return Planes("q6k", k, _nibble_bytes(q).reshape(rows, -1), _two_bit_bytes(q >> np.uint8(4)).reshape(rows, -1),
+                  scales.reshape(rows, -1), np.zeros((rows, 0), np.float32), d.reshape(rows, -1))
+
+
+def _two_bit_bytes(q: np.ndarray) -> np.ndarray:
+    """Values (n, 32) -> (n, 8) bytes of their low two bits: bits 2 s..2 s + 1 of byte t hold value t + 8 s's."""
+    part = (q & np.uint8(3)).reshape(-1, 4, 8)  # [group, s, t]
+    return part[:, 0] | (part[:, 1] << np.uint8(2)) | (part[:, 2] << np.uint8(4)) | (part[:, 3] << np.uint8(6))

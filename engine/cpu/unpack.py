@@ -110,3 +110,18 @@ def q6k_rows(lo, hi, d, sup, rows, out):
                 c = _U8(_U8(v >> _U8(4)) | _U8(_U8(_U8(hi[r, 8 * b + t] >> _U8(4 + 2 * (j >> 3))) & _U8(3)) << _U8(4)))
                 out[i, b * 32 + j] = first * _F(np.int32(a) - np.int32(32))
                 out[i, b * 32 + 16 + j] = second * _F(np.int32(c) - np.int32(32))
+
+
+@njit(**_EXACT)
+def q3k_rows(lo, hi, d, sup, rows, out):
+    """gguf's Q3_K steps: scale = d * sc, one float32 product, times q (stored plus 4: its two low bits at bits
+    2 s..2 s + 1 of byte t for value t + 8 s, its third bit at bit i of the group's 4 hi bytes for value i)."""
+    groups = d.shape[1] // 2
+    for i in range(rows.shape[0]):
+        r = rows[i]
+        for b in range(groups):
+            for j in range(32):
+                low = _U8(_U8(lo[r, 8 * b + (j & 7)] >> _U8(2 * (j >> 3))) & _U8(3))
+                third = _U8(_U8(hi[r, 4 * b + (j >> 3)] >> _U8(j & 7)) & _U8(1))
+                scale = sup[r, b >> 3] * _F(d[r, 2 * b + (j >> 4)])
+                out[i, b * 32 + j] = scale * _F(np.int32(_U8(low | _U8(third << _U8(2)))) - np.int32(4))

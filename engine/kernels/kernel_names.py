@@ -29,7 +29,7 @@ PER_TYPE = {
 # of experts streamed from RAM (engine/cpu/layout.py families; "5": nibbles with a fifth bit, "_k": the K-quants'
 # 8-bit group scales under float32 super-block ones).
 GROUPED_KINDS = ("grouped_matmul", "grouped_matmul_glu")
-HOST_LAYOUTS = ("cpu_nibble", "cpu_nibble5", "cpu_nibble_k", "cpu_nibble5_k", "cpu_q6k", "cpu_q8")
+HOST_LAYOUTS = ("cpu_nibble", "cpu_nibble5", "cpu_nibble_k", "cpu_nibble5_k", "cpu_q6k", "cpu_q3k", "cpu_q8")
 _GROUPED_SUFFIXES = (*(KERNEL_SUFFIX[t] for t in QUANT_TYPES), *HOST_LAYOUTS)
 # A decode step's expert products (matvec.cu MOE_Q, MOE_F), built per weight type and for the layouts of experts
 # read over the bus from RAM.

@@ -335,8 +335,9 @@ __device__ __forceinline__ void decode_group(const Planes& p, long row, int k, i
 // of value i). Planes: q = lo, h = hi, s = m or sup, d = d. "nibble": value = d * q + m, float32 d and m a group.
 // "nibble_k": d holds a group's 6-bit scale and min (two bytes), sup each 8 groups' float32 super-block d and dmin,
 // value = (d_s * scale) * q - dmin_s * min. "q6k": those 16 bytes plus 8 (bits 2s, 2s + 1 of byte t the top bits of value t + 8s), d an int8
-// scale per 16 values, sup each 8 groups' float32 d, value = (d_s * scale) * (q - 32). "q8": 32 int8 and a float32
-// d. A row holds whole super-blocks, so group blk's super-block is blk / 8.
+// scale per 16 values, sup each 8 groups' float32 d, value = (d_s * scale) * (q - 32). "q3k": 8 bytes of two low
+// bits (arranged as q6k's top ones) and 4 of third bits (bit i: value i), q6k's d and sup, value = (d_s * scale) *
+// (q - 4). "q8": 32 int8 and a float32 d. A row holds whole super-blocks, so group blk's super-block is blk / 8.
 template <bool FIFTH>
 __device__ __forceinline__ void host_nibbles(const Planes& p, long blk, int (&w)[8]) {
     const uint4 a = ld16(p.q + 16 * blk);
@@ -390,6 +391,24 @@ struct HostQ6K {
     }
 };
 
+struct HostQ3K {
+    static constexpr int QK = 32;
+    __device__ static void group(const Planes& p, long blk, int, int (&w)[8], float (&sc)[2], float& mn) {
+        const uint2 low = __ldg(reinterpret_cast<const uint2*>(p.q + 8 * blk));
+        const u32 third = ld4(p.h + 4 * blk);
+#pragma unroll
+        for (int t = 0; t < 8; ++t) {  // values 4t .. 4t + 3: bytes 4 (t & 1) .. + 3 of the low bits, bits 2 (t >> 1)
+            const u32 two = (((t & 1) ? low.y : low.x) >> (2 * (t >> 1))) & 0x03030303u;
+            w[t] = sub_bytes(two | (spread4(third >> (4 * t)) << 2), 4);
+        }
+        const u32 scales = ld2(p.d + 2 * blk);
+        const float sup = __ldg(reinterpret_cast<const float*>(p.s) + (blk >> 3));
+        sc[0] = sup * (float)(signed char)(scales & 0xFFu);
+        sc[1] = sup * (float)(signed char)(scales >> 8);
+        mn = 0.0f;
+    }
+};
+
 struct HostQ8 {
     static constexpr int QK = 32;
     __device__ static void group(const Planes& p, long blk, int, int (&w)[8], float (&sc)[2], float& mn) {
@@ -423,6 +442,7 @@ struct HostQ8 {
     MACRO(cpu_nibble_k, HostNibbleK<false>)  \
     MACRO(cpu_nibble5_k, HostNibbleK<true>)  \
     MACRO(cpu_q6k, HostQ6K)                  \
+    MACRO(cpu_q3k, HostQ3K)                  \
     MACRO(cpu_q8, HostQ8)
 
 // Float weight types, 8 consecutive values per read.
