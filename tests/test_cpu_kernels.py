@@ -318,3 +318,30 @@ def test_the_portable_vector_code_gives_the_same_products(tmp_path):
     env = {**os.environ, "STRATA_CPU_PORTABLE": "1"}
     run = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0 and f"portable ok {len(CASES)}" in run.stdout, run.stderr[-3000:]
+
+
+def test_the_gpu_reads_q3_k_planes_as_the_cpu_writes_them():
+    """HostQ3K (quant_blocks.cuh), the GPU's reading of Q3_K experts kept in RAM, restated with its word operations:
+    a group's 8 bytes of low bits as two words, word t & 1 shifted by 2 (t >> 1) and masked a byte at a time for
+    values 4t .. 4t + 3, its third bits spread one to a byte (spread4) and moved to bit 2, 4 taken off each byte;
+    those values times their half group's scale must be the layout's own (layout.unpack, gguf's to the bit)."""
+    rows, k = 3, 512
+    raw, _, _ = _weight(T.Q3_K, rows, k, np.random.default_rng(9))
+    planes = layout.pack(raw, T.Q3_K, rows, k)
+    want = np.empty((rows, k), np.float32)
+    layout.unpack(planes, slice(0, rows), want)
+    groups = rows * k // 32
+    low = np.ascontiguousarray(planes.lo).reshape(groups, 8).view("<u4")  # (groups, 2)
+    third = np.ascontiguousarray(planes.hi).reshape(groups, 4).view("<u4")[:, 0]
+
+    def spread4(h):
+        return ((h & np.uint32(0xF)) * np.uint32(0x00204081)) & np.uint32(0x01010101)
+
+    words = [((low[:, t & 1] >> np.uint32(2 * (t >> 1))) & np.uint32(0x03030303)) | (spread4(third >> np.uint32(4 * t))
+                                                                                     << np.uint32(2))
+             for t in range(8)]
+    q = np.stack(words, 1).astype("<u4").view(np.uint8).astype(np.int32) - 4  # (groups, 32): value 4t + byte
+    scale = planes.sup.reshape(-1)[np.arange(groups) // 8, None] * planes.d.reshape(groups, 2).astype(np.float32)
+    got = np.repeat(scale, 16, axis=1) * q.astype(np.float32)
+    assert q.min() >= -4 and q.max() <= 3
+    np.testing.assert_array_equal(got.reshape(rows, k), want)
