@@ -73,6 +73,7 @@ class EngineStatus(BaseModel):
     backend_reason: str | None = None
     context_length: int | None = None
     kv_cache_type: str | None = Field(None, description="full (fp16 on the GPU, float32 on the CPU) or q8_0")
+    prompt_chunk: int | None = Field(None, description="the most prompt tokens the engine runs at once")
     expert_layers_in_ram: int | None = Field(
         None, description="MoE layers whose routed experts live in RAM, computed by the CPU (the rest is on the GPU)"
     )
@@ -111,7 +112,7 @@ def engine_status(slot: EngineSlot, estimate: MemoryEstimate | None = None) -> E
     if slot.model is not None:
         info = slot.model.info
         status.backend, status.backend_reason, status.context_length = info.backend, info.backend_reason, info.context_length
-        status.kv_cache_type = info.kv_cache_type
+        status.kv_cache_type, status.prompt_chunk = info.kv_cache_type, info.prompt_chunk
         status.expert_layers_in_ram = info.expert_layers_in_ram or None
         cache = slot.model.expert_cache()
         if cache is not None:

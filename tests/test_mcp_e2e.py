@@ -149,6 +149,7 @@ async def test_start_with_a_q8_0_kv_cache_reports_it_and_answers(installed_data_
     async with connect(installed_data_dir) as session:
         started = await call(session, "start", device="cpu", context_length=1024, kv_cache="q8_0", wait_seconds=300)
         assert started["engine"]["kv_cache_type"] == "q8_0" and "in a q8_0 KV cache" in started["summary"]
+        assert started["engine"]["prompt_chunk"] == 512  # the CPU path's
         answer = await call(session, "chat", prompt="Write a haiku about the sea.", temperature=0, max_tokens=16)
         assert "sea" in answer["text"].lower() and answer["timings"]["completion_tokens"] == 16
         status = await call(session, "status")
