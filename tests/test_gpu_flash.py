@@ -86,7 +86,7 @@ def test_flash_attention_reads_the_chunk_start_from_the_device():
 
 
 def test_long_prompt_logits_match_the_older_chunk_path(tmp_path, monkeypatch):
-    """A 4,096-token prompt (eight chunks, each attending to every earlier one) through a tiny model: the logits at
+    """A 4,096-token prompt (the GPU's chunks, each attending to every earlier one) through a tiny model: the logits at
     every position with flash attention equal those of attention.cu's chunk path within fp16 rounding."""
     path = tmp_path / "tiny.gguf"
     shape = dict(hidden=256, layers=2, ffn=768, heads=4, kv_heads=1, vocab=1000, tied=False)
