@@ -121,7 +121,9 @@ SPEC = ToolSpec(
         "model may be left out only when exactly one model is installed. One model is loaded at a time: stop the "
         "current one first to switch. Says which backend was chosen and why. A mixture of experts that does not fit "
         "the GPU (or vram_gb) keeps the experts of some layers in RAM, computed by the CPU, and fills the VRAM left with "
-        "the experts those layers pick most: the engine status says how many (expert_layers_in_ram, expert_cache)."
+        "the experts those layers pick most: the engine status says how many (expert_layers_in_ram, expert_cache). "
+        "Long prompts run in chunks of up to 2,048 tokens on the GPU, fewer where the fit found memory tight "
+        "(engine.prompt_chunk)."
     ),
     input_model=StartInput,
     output_model=StartOutput,
