@@ -64,9 +64,12 @@ def dequant_slice_rows(m: int, k: int) -> int:
     return rows // DEQUANT_SLICE_ROWS * DEQUANT_SLICE_ROWS if rows >= DEQUANT_SLICE_ROWS else max(1, rows)
 
 
-def default_prompt_chunk(backend_name: str) -> int:
-    """The prompt chunk a backend ("numpy" or "cupy") runs unless told otherwise."""
-    return GPU_PROMPT_CHUNK if backend_name == "cupy" else CPU_PROMPT_CHUNK
+def prompt_chunk(backend_name: str, asked: int | None = None) -> int:
+    """The most prompt tokens a backend ("numpy" or "cupy") runs at once: `asked`, else its default; the CPU path
+    never more than its own (its attention's scores grow with chunk x context)."""
+    if backend_name == "cupy":
+        return asked or GPU_PROMPT_CHUNK
+    return min(asked or CPU_PROMPT_CHUNK, CPU_PROMPT_CHUNK)
 
 
 def architectures() -> set[str]:

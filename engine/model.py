@@ -15,7 +15,7 @@ from engine.arch import architecture_module
 from engine.arch.parts import MOE, MOE_SHARED, DecoderConfig
 from engine.backend import Backend, ExpertCacheStats, MemoryInUse, check_kv_cache_type
 from engine.backend_numpy import NumpyBackend
-from engine.capabilities import CPU_PROMPT_CHUNK, DEFAULT_CONTEXT, default_prompt_chunk
+from engine.capabilities import DEFAULT_CONTEXT, prompt_chunk as backend_prompt_chunk
 from engine.chat_template import ChatTemplate
 from engine.cpu.weights import held_nbytes
 from engine.errors import EngineError
@@ -250,8 +250,8 @@ def load_model(
     memory for that many of each such layer's experts, the ones its tokens pick most (engine/expert_cache.py).
     kv_cache_type: "full" (fp16 on the GPU, float32 on the CPU) or "q8_0" (34 bytes per 32 values: half the GPU's
     KV memory, so a longer context fits; the logits change slightly). prompt_chunk: the most prompt tokens run at
-    once, which sizes the workspace (by default the backend's, capabilities.default_prompt_chunk; the CPU path
-    takes at most its own)."""
+    once, which sizes the workspace (capabilities.prompt_chunk: by default the backend's; the CPU path takes at
+    most its own)."""
     check_kv_cache_type(kv_cache_type, "kv_cache_type")
     if prompt_chunk is not None and (not isinstance(prompt_chunk, int) or prompt_chunk < 1):
         raise EngineError(f"prompt_chunk must be a positive number of tokens, not {prompt_chunk!r}.")
@@ -286,9 +286,7 @@ def load_model(
             weights = arch.load_weights(gguf, config, backend, context, on_progress, should_cancel, host_layers)
             memory = backend.memory_in_use()
             weight_bytes = memory.total_bytes
-            chunk = min(prompt_chunk or default_prompt_chunk(backend.name), context)
-            if backend.name == "numpy":  # its attention scores grow with chunk x context: never past its default
-                chunk = min(chunk, CPU_PROMPT_CHUNK)
+            chunk = min(backend_prompt_chunk(backend.name, prompt_chunk), context)
             cache = arch.new_cache(config, backend, context, kv_cache_type, chunk)
             workspace = arch.new_workspace(config, backend, chunk)
         except MemoryError:

@@ -58,8 +58,9 @@ class EngineProfile(BaseModel):
         major, minor = (int(x) for x in compute_capability.split("."))
         return (major, minor) >= tuple(self.min_compute_capability)
 
-    def prompt_chunk(self, on_gpu: bool) -> int:
-        return self.gpu_prefill_chunk if on_gpu else self.prefill_chunk
+    def prompt_chunk(self, on_gpu: bool, asked: int | None = None) -> int:
+        """The engine's rule: `asked`, else the device's default; the CPU path never more than its own."""
+        return (asked or self.gpu_prefill_chunk) if on_gpu else min(asked or self.prefill_chunk, self.prefill_chunk)
 
     @property
     def min_compute_capability_text(self) -> str:

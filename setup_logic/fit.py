@@ -171,7 +171,7 @@ def workspace_bytes(model: CatalogModel, context_length: int, engine: EngineProf
     cos/sin tables, and attention's working space: the NumPy reference holds one layer's scores for the chunk against
     the whole context, the GPU kernel only per-head partial sums (chunk x heads x (head_dim + 2)); on the GPU also
     the prompt path's fp16 scratch, a mixture's per-slot outputs and the chunked delta rule's scratch."""
-    chunk = min(prompt_chunk or engine.prompt_chunk(on_gpu), context_length)
+    chunk = min(engine.prompt_chunk(on_gpu, prompt_chunk), context_length)
     q_dim = model.n_heads * model.head_dim
     kv_dim = model.n_kv_heads * model.head_dim
     rope = context_length * model.head_dim
@@ -253,9 +253,7 @@ def estimate_memory(
     if context_length < 1:
         raise ValueError("context_length must be at least 1")
     file_bytes = model.file_bytes
-    chunk = min(prompt_chunk or engine.prompt_chunk(level != "cpu"), context_length)
-    if level == "cpu":
-        chunk = min(chunk, engine.prefill_chunk)
+    chunk = min(engine.prompt_chunk(level != "cpu", prompt_chunk), context_length)
     workspace = workspace_bytes(model, context_length, engine, level != "cpu", chunk)
     ram_overhead = _RAM_BASE_BYTES + model.vocab_size * _RAM_PER_VOCAB_TOKEN
     f32 = engine.cpu_weights_dequantized_to_f32

@@ -230,8 +230,8 @@ def _k_row_codegen(family):
     times the super-block's float32 scale and the activation's, and their offsets are summed in the same pass. (An
     integer-to-float step and two loads in every group's step made that loop 25% slower on one Zen core, bound by
     its instructions.)"""
-    q6k, iq4, q2k = family in ("q6k", "q3k"), family == "iq4", family == "q2k"  # q3k: q6k's scales
-    halves = q6k or q2k  # a scale (and a min) for each 16 values
+    int8_halves, iq4, q2k = family in ("q6k", "q3k"), family == "iq4", family == "q2k"  # an int8 scale a half
+    halves = int8_halves or q2k  # a scale (and a min) for each 16 values
 
     def codegen(context, builder, sig, args):
         lo_p, hi_p, d_p, sup_p, x_p, dx_p, xs_p = (context.make_array(t)(context, builder, a).data
@@ -260,7 +260,7 @@ def _k_row_codegen(family):
                 sums = _shuffle(builder, _floats(builder, xs_p, first_b, 8),
                                 _floats(builder, xs_p, builder.add(groups, first_b), 8),
                                 [i // 2 + 8 * (i % 2) for i in range(16)])
-                if q6k:
+                if int8_halves:
                     scale = builder.fmul(builder.sitofp(bytes16, _vec(_F32, 16)),
                                          _splat(builder, builder.load(builder.gep(sup_p, [sup_at])), 16), flags=_FAST)
                     offset = builder.fmul(scale, sums, flags=_FAST)

@@ -372,6 +372,21 @@ struct HostNibbleK {
     }
 };
 
+// Values 4t .. 4t + 3 of a group's 8 bytes of two-bit values (bits 2s, 2s + 1 of byte j: value j + 8s), a byte each:
+// bytes 4 (t & 1) .. + 3, bits 2 (t >> 1).
+__device__ __forceinline__ u32 two_bits4(uint2 v, int t) {
+    return (((t & 1) ? v.y : v.x) >> (2 * (t >> 1))) & 0x03030303u;
+}
+
+// "q6k" and "q3k": an int8 scale for each 16 values of group blk under its 8 groups' float32 d, no offset.
+__device__ __forceinline__ void int8_half_scales(const Planes& p, long blk, float (&sc)[2], float& mn) {
+    const u32 scales = ld2(p.d + 2 * blk);
+    const float sup = __ldg(reinterpret_cast<const float*>(p.s) + (blk >> 3));
+    sc[0] = sup * (float)(signed char)(scales & 0xFFu);
+    sc[1] = sup * (float)(signed char)(scales >> 8);
+    mn = 0.0f;
+}
+
 struct HostQ6K {
     static constexpr int QK = 32;
     __device__ static void group(const Planes& p, long blk, int, int (&w)[8], float (&sc)[2], float& mn) {
@@ -380,14 +395,9 @@ struct HostQ6K {
         const uint2 hv = __ldg(reinterpret_cast<const uint2*>(p.h + 8 * blk));
 #pragma unroll
         for (int t = 0; t < 8; ++t) {
-            const u32 top = (((t & 1) ? hv.y : hv.x) >> (2 * (t >> 1))) & 0x03030303u;
-            w[t] = sub_bytes(((v[t & 3] >> (4 * (t >> 2))) & 0x0F0F0F0Fu) | (top << 4), 32);
+            w[t] = sub_bytes(((v[t & 3] >> (4 * (t >> 2))) & 0x0F0F0F0Fu) | (two_bits4(hv, t) << 4), 32);
         }
-        const u32 scales = ld2(p.d + 2 * blk);
-        const float sup = __ldg(reinterpret_cast<const float*>(p.s) + (blk >> 3));
-        sc[0] = sup * (float)(signed char)(scales & 0xFFu);
-        sc[1] = sup * (float)(signed char)(scales >> 8);
-        mn = 0.0f;
+        int8_half_scales(p, blk, sc, mn);
     }
 };
 
@@ -397,15 +407,8 @@ struct HostQ3K {
         const uint2 low = __ldg(reinterpret_cast<const uint2*>(p.q + 8 * blk));
         const u32 third = ld4(p.h + 4 * blk);
 #pragma unroll
-        for (int t = 0; t < 8; ++t) {  // values 4t .. 4t + 3: bytes 4 (t & 1) .. + 3 of the low bits, bits 2 (t >> 1)
-            const u32 two = (((t & 1) ? low.y : low.x) >> (2 * (t >> 1))) & 0x03030303u;
-            w[t] = sub_bytes(two | (spread4(third >> (4 * t)) << 2), 4);
-        }
-        const u32 scales = ld2(p.d + 2 * blk);
-        const float sup = __ldg(reinterpret_cast<const float*>(p.s) + (blk >> 3));
-        sc[0] = sup * (float)(signed char)(scales & 0xFFu);
-        sc[1] = sup * (float)(signed char)(scales >> 8);
-        mn = 0.0f;
+        for (int t = 0; t < 8; ++t) w[t] = sub_bytes(two_bits4(low, t) | (spread4(third >> (4 * t)) << 2), 4);
+        int8_half_scales(p, blk, sc, mn);
     }
 };
 
