@@ -305,11 +305,12 @@ for part in "$@"; do
           --experts-over-bus $bus 2>&1 | tee -a "$OUT/bus_bench.jsonl"
       done ;;
     bench)  # bench_gpu.py on synthetic files (Q4_K_M mix, the files step's) for BENCH_RUNS="shape:prompt[:options joined
-            # by commas] ...", 64 tokens out, 2 repeats
+            # by commas] ...", 64 tokens out, 2 repeats; BENCH_PREFIX=peer: the peerbuild step's files, each as it lands
+            # (others may still be written meanwhile, so compare decode steps' GPU times, not prompts)
       for run in $BENCH_RUNS; do
         IFS=: read -r shape p opts <<< "$run"
-        f=/tmp/strata/synthetic-$shape.gguf
-        while [ ! -f $f ] || pgrep -f make_synthetic_gguf.py >/dev/null; do sleep 2; done
+        f=/tmp/strata/${BENCH_PREFIX:-synthetic}-$shape.gguf
+        while [ ! -f $f ] || { [ -z "$BENCH_PREFIX" ] && pgrep -f make_synthetic_gguf.py >/dev/null; }; do sleep 2; done
         timeout 200 python3 bench/bench_gpu.py $f --prompt $p --output 64 --repeats 2 ${opts//,/ } 2>&1 | tee -a "$OUT/bench.jsonl"
       done ;;
     kcache)  # the kernel cache back to $OUT in parts of 15 MB (kcache.part*), for .carry/ in the next call

@@ -2,10 +2,10 @@
 measurement every speed target of ours is written against (shared/reference/peer-llamacpp.md says how llama.cpp
 is built on the GPU machine). Not a test.
 
-For each model: llama-bench's prompt of --prompt tokens at depth 0 and its output of --output tokens at depth
---prompt (`-ngl 99 -fa 1 -d 0,P`, flash attention on, every layer on the GPU; with --experts-in-ram N also
-`-ncmoe N -t THREADS`), then bench/bench_gpu.py's run on the same file with the same lengths (its prompt from
-position 0, its output after the prompt). One JSON line per model: both sides' tokens/s and ours over theirs.
+For each model: llama-bench's prompt of --prompt tokens at depth 0 (`-p P -n 0 -d 0`) and its output of --output
+tokens at depth --prompt (`-p 0 -n N -d P`), two runs with `-ngl 99 -fa 1` (flash attention on, every layer on the
+GPU; with --experts-in-ram N also `-ncmoe N -t THREADS`), then bench/bench_gpu.py's run on the same file with the
+same lengths (its prompt from position 0, its output after the prompt). One JSON line per model: both sides' tokens/s and ours over theirs.
 
     python bench/peer_llamacpp.py MODEL.gguf [...] --llama-bench build/bin/llama-bench [--prompt 512]
         [--output 128] [--repeats 5] [--experts-in-ram N] [--threads 16] [--device cuda]
@@ -26,34 +26,38 @@ from bench.bench_gpu import run  # noqa: E402
 
 
 def llama_bench_args(binary: Path, model: Path, prompt: int, output: int, repeats: int, experts_in_ram: int,
-                     threads: int) -> list[str]:
-    args = [str(binary), "-m", str(model), "-ngl", "99", "-fa", "1", "-p", str(prompt), "-n", str(output),
-            "-d", f"0,{prompt}", "-r", str(repeats), "-o", "jsonl"]
+                     threads: int) -> list[list[str]]:
+    """Two llama-bench runs: the prompt at depth 0, then the output at depth `prompt` (one run of `-d 0,P` would also
+    time the prompt at depth P and the output at depth 0, which at 32K tokens cost minutes and are not used)."""
+    common = ["-m", str(model), "-ngl", "99", "-fa", "1", "-r", str(repeats), "-o", "jsonl"]
     if experts_in_ram:
-        args += ["-ncmoe", str(experts_in_ram), "-t", str(threads)]
-    return args
+        common += ["-ncmoe", str(experts_in_ram), "-t", str(threads)]
+    return [[str(binary), *common, "-p", str(prompt), "-n", "0", "-d", "0"],
+            [str(binary), *common, "-p", "0", "-n", str(output), "-d", str(prompt)]]
 
 
-def llama_bench_speeds(args: list[str], prompt: int, output: int) -> tuple[float, float]:
-    """(prompt tokens/s at depth 0, output tokens/s at depth `prompt`) from one llama-bench run; RuntimeError with
-    its own words when it fails or lacks one of the two."""
-    done = subprocess.run(args, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"llama-bench exited with {done.returncode}: {done.stderr.strip()[-500:]}")
-    rows = []
-    for line in done.stdout.splitlines():
-        line = line.strip()
-        if line.startswith("{"):
-            rows.append(json.loads(line))
-        elif line.startswith("["):  # -o json prints one array
-            rows.extend(json.loads(line))
+def llama_bench_speeds(runs: list[list[str]], prompt: int, output: int) -> tuple[float, float]:
+    """(prompt tokens/s at depth 0, output tokens/s at depth `prompt`) from llama-bench's runs; RuntimeError with
+    its own words when one fails or none prints one of the two."""
+    rows, printed = [], []
+    for args in runs:
+        done = subprocess.run(args, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"llama-bench exited with {done.returncode}: {done.stderr.strip()[-500:]}")
+        printed.append(done.stdout.strip())
+        for line in done.stdout.splitlines():
+            line = line.strip()
+            if line.startswith("{"):
+                rows.append(json.loads(line))
+            elif line.startswith("["):  # -o json prints one array
+                rows.extend(json.loads(line))
 
     def pick(n_prompt: int, n_gen: int, depth: int) -> float:
         for row in rows:
             if (row.get("n_prompt"), row.get("n_gen"), row.get("n_depth", 0)) == (n_prompt, n_gen, depth):
                 return float(row["avg_ts"])
         raise RuntimeError(f"llama-bench printed no row for {n_prompt} prompt and {n_gen} output tokens at depth "
-                           f"{depth}; it printed: {done.stdout.strip()[-500:]}")
+                           f"{depth}; it printed: {' '.join(printed)[-500:]}")
 
     return pick(prompt, 0, 0), pick(0, output, prompt)
 
