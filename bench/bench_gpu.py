@@ -334,9 +334,6 @@ def main() -> None:
                              "backend's EXPERTS_OVER_BUS)")
     parser.add_argument("--kv-cache", choices=("full", "q8_0"), default="full", help="the KV cache's element type")
     parser.add_argument("--prompt-chunk", type=int, help="the most prompt tokens run at once (default: the engine's)")
-    parser.add_argument("--kv-prefetch", type=float,
-                        help="MB of the next attention layer's cache a deep decode step asks L2 for (cuda.KV_PREFETCH_BYTES)")
-    parser.add_argument("--kv-prefetch-keep", action="store_true", help="those lines kept ahead of others in L2")
     args = parser.parse_args()
     if args.device == "cuda":
         from engine import backend_cupy
@@ -344,9 +341,6 @@ def main() -> None:
 
         if args.experts_over_bus is not None:
             backend_cupy.EXPERTS_OVER_BUS = args.experts_over_bus
-        if args.kv_prefetch is not None:
-            cuda.KV_PREFETCH_BYTES = int(args.kv_prefetch * (1 << 20))
-        cuda.KV_PREFETCH_KEEP = args.kv_prefetch_keep
 
         if args.attention == "chunk":
             cuda.flash_attention_capable = lambda n_heads, n_kv: False
@@ -355,9 +349,8 @@ def main() -> None:
     for path in args.models:
         result = run(path, args.prompt, args.output, args.device, args.repeats, args.experts_in_ram,
                      args.expert_cache_slots, args.kv_cache, args.prompt_chunk)
-        print(json.dumps({**result, "prompt_attention": args.attention, "decode_attention": args.decode_attention,
-                          "kv_prefetch_bytes": cuda.KV_PREFETCH_BYTES if args.device == "cuda" else 0,
-                          "kv_prefetch_keep": args.kv_prefetch_keep}), flush=True)
+        print(json.dumps({**result, "prompt_attention": args.attention, "decode_attention": args.decode_attention}),
+              flush=True)
 
 
 if __name__ == "__main__":

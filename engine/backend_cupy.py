@@ -592,13 +592,9 @@ class CupyBackend:
                       else K.decode_splits(max_tokens, n_kv))
             part = self._decode_buffer("attn_split_part", n_heads * splits * (hd + 2), cupy.float32)
             done = self._decode_buffer("attn_split_done", 2 * n_kv, cupy.uint32, zeroed=True)
-            args = (q, k, v, rope.cos, rope.sin, neox, kc, vc, start, out, scale, window, part, done,
-                    self._quantize_output(out), splits)
-            if deep:
-                following = (layer + 1) % cache.n_layers
-                K.attention_decode_deep(*args, scales=scales, next_cache=(cache.k[following], cache.v[following]))
-            else:
-                K.attention_decode_split(*args, scales=scales)
+            (K.attention_decode_deep if deep else K.attention_decode_split)(
+                q, k, v, rope.cos, rope.sin, neox, kc, vc, start, out, scale, window, part, done,
+                self._quantize_output(out), splits, scales=scales)
             return
         if form == "cluster":  # one kernel, the splits merged inside each head's cluster
             K.attention_decode(q, k, v, rope.cos, rope.sin, neox, kc, vc, start, out, scale, window,

@@ -450,24 +450,6 @@ def test_attention_decode_deep_tile_shapes(tiles, heads, kv):
     check_decode(launch, 1900, 0, 128, True, 128, heads, kv, tol=2e-3)
 
 
-@pytest.mark.skipif(not K.mma_capable(), reason="attention_decode_deep needs sm_80 or newer")
-@pytest.mark.parametrize("keep", [False, True])
-@pytest.mark.parametrize("start,window,hd,neox,rot", DECODE_CASES)
-def test_attention_decode_deep_prefetch(start, window, hd, neox, rot, keep, monkeypatch):
-    """Asking L2 for the next layer's rows (here a cache of its own, and the same one) changes nothing it computes."""
-    monkeypatch.setattr(K, "KV_PREFETCH_BYTES", 1 << 20)
-    monkeypatch.setattr(K, "KV_PREFETCH_KEEP", keep)
-    done = K.counters(2 * 2)
-
-    def launch(*args, q8=None):
-        n = K.deep_decode_splits(2048, 2, hd)
-        part = cp.empty(8 * n * (hd + 2), cp.float32)
-        for following in ((cp.ones_like(args[6]), cp.ones_like(args[7])), (args[6], args[7])):
-            K.attention_decode_deep(*args, part, done, q8, splits=n, next_cache=following)
-
-    check_decode(launch, start, window, hd, neox, rot, 8, 2, tol=2e-3)
-
-
 def check_decode(launch, start, window, hd, neox, rot, heads, kv, tol=1e-5):
     """launch(q, k, v, cos, sin, neox, k_cache, v_cache, start, out, scale, window, q8=None) against the
     reference's rope_store_kv then attention (keys and values rounded to the cache's fp16 as the kernel uses them),

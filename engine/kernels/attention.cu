@@ -757,8 +757,7 @@ __device__ __forceinline__ void attention_decode_deep_impl(
     const float* __restrict__ q, const float* k_new, const float* v_new, const float* cos_t, const float* sin_t,
     int rot, int neox, void* k_cache, void* v_cache, u16* k_scale, u16* v_scale, int max_tokens, int n_heads,
     int n_kv, const int* start, int window, float scale_log2, int kvh, int split, int n_splits, float* part,
-    u32* done, float* out, signed char* xq, signed char* xq2, float2* xds, const void* k_next, const void* v_next,
-    long next_bytes, int next_keep) {
+    u32* done, float* out, signed char* xq, signed char* xq2, float2* xds) {
     using Smem = DeepTiles<D, KT, STAGES, Q8>;
     constexpr int ROW = D + 8, TILE = Smem::TILE, DK = D / 16, DN = D / 8, KN = KT / 8, UNIT = DEEP_WARPS * KT;
     static_assert(DEEP_WARPS == 4, "store_block_partial merges 4 warps");
@@ -795,21 +794,6 @@ __device__ __forceinline__ void attention_decode_deep_impl(
     };
 #pragma unroll
     for (int i = 0; i < STAGES - 1; ++i) fetch(i);
-    // The next attention layer's cache (the last layer's: the first's, for the next step) reads this split's rows
-    // at this position too: ask L2 for the first of them, at most next_bytes a layer, so that layer's blocks find
-    // them there (about a layer of other kernels runs between). fp16 caches only.
-    if (!Q8 && next_bytes > 0) {
-        const long rows = next_bytes / (2L * n_kv * active * CacheRows<D, Q8>::ROW_BYTES);
-        const int end = (int)min((long)cached_hi, lo + rows);
-        const CacheRows<D, Q8> next_k(k_next, nullptr, kvh, max_tokens), next_v(v_next, nullptr, kvh, max_tokens);
-        if (next_keep) {
-            next_k.template prefetch<true>(lo, end, threadIdx.x, blockDim.x);
-            next_v.template prefetch<true>(lo, end, threadIdx.x, blockDim.x);
-        } else {
-            next_k.prefetch(lo, end, threadIdx.x, blockDim.x);
-            next_v.prefetch(lo, end, threadIdx.x, blockDim.x);
-        }
-    }
     grid_dependency_sync();
     deep_phase<PHASES>(1);
 
@@ -927,13 +911,11 @@ __device__ __forceinline__ void attention_decode_deep_impl(
         const float* q, const float* k_new, const float* v_new, const float* cos_t, const float* sin_t, int rot, \
         int neox, void* k_cache, void* v_cache, u16* k_scale, u16* v_scale, int max_tokens, int n_heads,       \
         int n_kv, const int* start, int window, float scale_log2, float* part, u32* done, float* out,          \
-        signed char* xq, signed char* xq2, float2* xds, const void* k_next, const void* v_next, long next_bytes,\
-        int next_keep) {                                                                                       \
+        signed char* xq, signed char* xq2, float2* xds) {                                                      \
         attention_decode_deep_impl<D, KT, STAGES, Q8, PHASES>(q, k_new, v_new, cos_t, sin_t, rot, neox, k_cache,\
                                                       v_cache, k_scale, v_scale, max_tokens, n_heads, n_kv,     \
                                                       start, window, scale_log2, blockIdx.y, blockIdx.x,        \
-                                                      gridDim.x, part, done, out, xq, xq2, xds, k_next, v_next, \
-                                                      next_bytes, next_keep);                                   \
+                                                      gridDim.x, part, done, out, xq, xq2, xds);                \
     }
 ATTENTION_DECODE_DEEP(64, 64, 2, false, attention_decode_deep_64)
 ATTENTION_DECODE_DEEP(128, 32, 2, false, attention_decode_deep_128)

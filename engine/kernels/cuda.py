@@ -615,10 +615,6 @@ DEEP_WARPS = 4  # attention.cu DEEP_WARPS
 # head's blocks merging together 13.35 us at 16, 13.34 at 24, 13.11 at 32 (H100, caches read from memory,
 # bench/results/2026-12-06_s15call1_attention.jsonl).
 DEEP_MAX_SPLITS = 24
-# Bytes of the next attention layer's cache each deep decode step asks L2 for (attention_decode_deep's next_bytes),
-# and whether those lines are kept ahead of others (KV_PREFETCH_KEEP: prefetch_l2_line's KEEP).
-KV_PREFETCH_BYTES = 0
-KV_PREFETCH_KEEP = False
 
 
 def decode_splits(max_tokens: int, n_kv: int) -> int:
@@ -706,14 +702,12 @@ def deep_decode_splits(max_tokens: int, n_kv: int, hd: int, tiles: tuple[int, in
 
 def attention_decode_deep(q, k, v, cos, sin, neox: bool, k_cache, v_cache, start, out, scale: float, window: int,
                           part, done, q8: Q8 | None = None, splits: int | None = None,
-                          tiles: tuple[int, int] | None = None, scales=None, phased: bool = False,
-                          next_cache: tuple[Any, Any] | None = None) -> None:
+                          tiles: tuple[int, int] | None = None, scales=None, phased: bool = False) -> None:
     """attention_decode_split's work on tensor cores with each warp's keys and values streamed through shared
     memory (sm_80+, GQA groups of at most 16): part, float32 scratch of H*splits*(hd+2); done = counters(2 KV).
     splits: deep_decode_splits by default, at most MAX_SPLITS and one wave of blocks (a KV head's blocks wait for
     each other before they merge); tiles: (keys a warp's tile, stages), kernel_names.DEEP_TILES' by default (others
-    for bench sweeps); phased: kernel_names.DEEP_PHASED, which records its timeline (bench); next_cache: the next
-    attention layer's (k, v) caches, whose rows of this step KV_PREFETCH_BYTES of are asked of L2."""
+    for bench sweeps); phased: kernel_names.DEEP_PHASED, which records its timeline (bench)."""
     _, n_heads, hd = q.shape
     n_kv, max_tokens = k_cache.shape[0], k_cache.shape[1]
     tiles = tiles or N.DEEP_TILES[hd]
@@ -725,9 +719,8 @@ def attention_decode_deep(q, k, v, cos, sin, neox: bool, k_cache, v_cache, start
                          f"({wave} on this GPU), not {splits} splits of {n_kv} KV heads")
     launch("attention", name, (splits, n_kv), (32 * DEEP_WARPS,),
            (q, k, v, cos, sin, i32(2 * cos.shape[1]), i32(1 if neox else 0), *cache, i32(max_tokens),
-            i32(n_heads), i32(n_kv), start, i32(window), f32(scale * LOG2_E), part, done, out, *q8_args(q8),
-            *(next_cache or (k_cache, v_cache)), i64(KV_PREFETCH_BYTES if next_cache and kv == "full" else 0),
-            i32(KV_PREFETCH_KEEP)), shared_mem=shared)
+            i32(n_heads), i32(n_kv), start, i32(window), f32(scale * LOG2_E), part, done, out, *q8_args(q8)),
+           shared_mem=shared)
 
 
 def counters(n: int) -> Any:

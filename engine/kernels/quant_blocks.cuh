@@ -52,15 +52,8 @@ __device__ __forceinline__ float bf2f(u16 b) { return __uint_as_float(((u32)b) <
 __device__ __forceinline__ float h2f_lo(u32 w) { return h2f((u16)(w & 0xFFFF)); }
 __device__ __forceinline__ float h2f_hi(u32 w) { return h2f((u16)(w >> 16)); }
 
-// Ask L2 for the 128-byte line holding p (no register waits for it). KEEP marks the line to be evicted after lines
-// of normal priority: for data another kernel reads later, while the kernels between stream their weights.
-template <bool KEEP = false>
-__device__ __forceinline__ void prefetch_l2_line(const void* p) {
-    if constexpr (KEEP)
-        asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(p));
-    else
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-}
+// Ask L2 for the 128-byte line holding p (no register waits for it).
+__device__ __forceinline__ void prefetch_l2_line(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 
 __device__ __forceinline__ int dp4a(int a, int b, int c) {
     int d;
@@ -632,15 +625,12 @@ struct CacheRows {
     // position once (row) and steps from there with a select, so the run's loads carry no modulo and stay together.
     __device__ long step(long r, int d) const { return r + d < rows ? r + d : r + d - rows; }
 
-    // Ask L2 for the lines of positions lo .. hi - 1 (at most `rows` of them, wrapping in a ring), thread t of n
-    // (KEEP: prefetch_l2_line's).
-    template <bool KEEP = false>
+    // Ask L2 for the lines of positions lo .. hi - 1 (at most `rows` of them, wrapping in a ring), thread t of n.
     __device__ void prefetch(int lo, int hi, int t, int n) const {
         const long at = row(lo), len = hi - lo, before_wrap = min(len, (long)rows - at);
         for (long off = 128L * t; off < before_wrap * ROW_BYTES; off += 128L * n)
-            prefetch_l2_line<KEEP>(data + at * ROW_BYTES + off);
-        for (long off = 128L * t; off < (len - before_wrap) * ROW_BYTES; off += 128L * n)
-            prefetch_l2_line<KEEP>(data + off);
+            prefetch_l2_line(data + at * ROW_BYTES + off);
+        for (long off = 128L * t; off < (len - before_wrap) * ROW_BYTES; off += 128L * n) prefetch_l2_line(data + off);
     }
 
     // Dims col .. col + 7 of row j (a row, not a position: see row and step; col a multiple of 8). EARLY: an fp16
