@@ -6,14 +6,18 @@ so tests can feed fakes. No GPU, no NVML, no /proc are normal results, never err
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import re
 import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
 from typing import Literal
 
+import numpy as np
 import psutil
 from pydantic import BaseModel, Field
 
@@ -26,6 +30,10 @@ _Q4_BYTES_PER_PARAM = 0.6
 _GPU_RESERVE_BYTES = 3 * GIB
 _LOW_DISK_BYTES = 10 * GIB
 _SMALL_RAM_BYTES = 16 * GIB
+# The RAM read test's buffer: far past any CPU's last-level cache (96-128 MB on the largest desktop parts), and a
+# pass takes tens of milliseconds. It is measured only where RAM holds several times that free.
+_RAM_TEST_BYTES = 512 << 20
+_RAM_TEST_PASSES = 4
 
 
 class OsInfo(BaseModel):
@@ -67,6 +75,10 @@ class PcReport(BaseModel):
     disk_path: str = Field(description="the data folder, or its nearest existing parent, where disk space was measured")
     disk_free_bytes: int
     gpus: list[GpuInfo]
+    ram_read_bytes_per_s: int | None = Field(
+        None, description="RAM read bandwidth measured by the probe (every core summing a 512 MiB buffer, the best "
+        "of a few passes); None when it was not measured"
+    )
     verdict: str = Field(description="one line: what this PC can run")
     reasons: list[str] = Field(description="the facts behind the verdict, one sentence each")
 
@@ -139,6 +151,23 @@ def probe_cpu(cpuinfo_text: str | None = None, system: str | None = None) -> Cpu
         fma=has("fma"),
         f16c=has("f16c"),
     )
+
+
+def measure_ram_read() -> int:
+    """Bytes/s this PC's RAM delivers to all cores: a thread a core sums its slice of the test buffer (NumPy's
+    reductions release the GIL, so they run at once), the best of a few passes. On a 2-core EPYC VM it matched
+    bench/bench_gpu.py's numba sum over 2 GiB round by round: 28-45 against 30-46 GB/s (2026-12-07, eight rounds in
+    two runs, between which the VM's bandwidth moved)."""
+    data = np.ones(_RAM_TEST_BYTES // 8)  # written, so every page is real RAM and not the OS's one shared zero page
+    threads = os.cpu_count() or 1
+    slices = np.array_split(data, threads)
+    best = math.inf
+    with ThreadPoolExecutor(threads) as pool:
+        for _ in range(_RAM_TEST_PASSES):
+            start = time.perf_counter()
+            list(pool.map(np.sum, slices))
+            best = min(best, time.perf_counter() - start)
+    return round(data.nbytes / best)
 
 
 def disk_free(data_dir: Path) -> tuple[Path, int]:
@@ -259,7 +288,8 @@ def _dense_q4_billions(vram_bytes: int) -> int:
 
 
 def judge(
-    cpu: CpuInfo, gpus: list[GpuInfo], ram_total: int, ram_available: int, disk_free_bytes: int, engine: EngineProfile
+    cpu: CpuInfo, gpus: list[GpuInfo], ram_total: int, ram_available: int, disk_free_bytes: int, engine: EngineProfile,
+    ram_read_bytes_per_s: int | None = None,
 ) -> tuple[str, list[str]]:
     """The one-line verdict and the reasons behind it."""
     reasons = []
@@ -297,6 +327,11 @@ def judge(
         else:
             reasons.append(f"NVIDIA {other.name} is not used: the engine runs on one GPU, the one with most free VRAM.")
     reasons.append(f"{gb(ram_total)} of RAM, {gb(ram_available)} available now.")
+    if ram_read_bytes_per_s:
+        reasons.append(
+            f"RAM reads about {gb(ram_read_bytes_per_s)}/s (measured): it sets the speed of models whose experts stay "
+            "in RAM."
+        )
     if ram_total < _SMALL_RAM_BYTES:
         reasons.append("Under 16 GB of RAM: only small models fit in memory.")
     if cpu.avx2 is False:
@@ -318,7 +353,8 @@ def probe(data_dir: Path, engine: EngineProfile) -> PcReport:
     nvidia, notes = probe_nvidia()
     gpus = nvidia + (probe_amd() if platform.system() == "Linux" else [])
     disk_path, free = disk_free(data_dir)
-    verdict, reasons = judge(cpu, gpus, memory.total, memory.available, free, engine)
+    ram_read = measure_ram_read() if memory.available >= 4 * _RAM_TEST_BYTES else None
+    verdict, reasons = judge(cpu, gpus, memory.total, memory.available, free, engine, ram_read)
     return PcReport(
         os=probe_os(),
         cpu=cpu,
@@ -327,6 +363,7 @@ def probe(data_dir: Path, engine: EngineProfile) -> PcReport:
         disk_path=os.fspath(disk_path),
         disk_free_bytes=free,
         gpus=gpus,
+        ram_read_bytes_per_s=ram_read,
         verdict=verdict,
         reasons=reasons + notes,
     )

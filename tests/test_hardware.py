@@ -170,6 +170,11 @@ def test_verdict_for_a_24_gb_card():
     assert reasons == ["64 GB of RAM, 50 GB available now."]
 
 
+def test_a_measured_ram_bandwidth_is_a_reason():
+    _, reasons = judge(cpu(), [nvidia()], 64 * GIB, 50 * GIB, 500 * GIB, ENGINE, ram_read_bytes_per_s=40 * 10**9)
+    assert "RAM reads about 37 GB/s (measured): it sets the speed of models whose experts stay in RAM." in reasons
+
+
 def test_verdict_names_vram_held_by_other_programs():
     verdict, reasons = judge(cpu(), [nvidia(total=12, free=4, name="RTX 3060")], 32 * GIB, 20 * GIB, 500 * GIB, ENGINE)
     assert verdict.startswith("NVIDIA RTX 3060 with 12 GB: models up to ~1B")
@@ -221,6 +226,8 @@ def test_probe_assembles_a_report_without_a_gpu(monkeypatch, tmp_path):
     assert report.ram_total_bytes >= report.ram_available_bytes > 0
     assert report.verdict.startswith("No usable GPU")
     assert report.reasons[-1] == "NVML did not start (test)."
+    assert report.ram_read_bytes_per_s > 0
+    assert f"RAM reads about {hardware.gb(report.ram_read_bytes_per_s)}/s (measured)" in " ".join(report.reasons)
 
 
 @pytest.mark.parametrize("n_bytes,text", [(24 * GIB, "24 GB"), (int(7.5 * GIB), "7.5 GB"), (int(12.4 * GIB), "12 GB")])
