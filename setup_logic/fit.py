@@ -50,8 +50,9 @@ _CUDA_HOST_BYTES = 300 * MIB
 # 2-core EPYC cloud machine, decode on one BLAS thread (SmolLM2's 539 MB at 18-19 tokens/s, bench/bench_engine.py).
 # Quantized weights through engine/cpu's kernels (int16 activations, one thread on that 2-core machine): 4.7-6.5
 # GB/s of the file's bytes for 4096x14336 and 14336x4096 Q4 products (bench/results/2026-12-01_cpuint16_products_*).
-# Below _MIN_CPU_TOKENS_PER_S an answer takes minutes, so such a model is not offered for the CPU even when it
-# fits in RAM.
+# Below _MIN_TOKENS_PER_S an answer takes minutes, so such a level is not offered even when the model fits: the CPU
+# path at these rates, or experts in RAM where this PC's measured RAM bandwidth over the expert bytes a token reads
+# there (the CPU's or over the bus, RAM serves them all) bounds decode below it.
 # Tensor types without a CPU kernel (EngineProfile.cpu_kernel_types) are dequantized a few rows at a time for BLAS:
 # 0.046-0.095 GB/s of the file's bytes for IQ3_S (and Q2_K and IQ4_XS, before their kernels) experts' matrices on a
 # 2-core EPYC VM, one thread, against 5.9-13.8 for the kernels' types on the same matrices
@@ -60,7 +61,7 @@ _CUDA_HOST_BYTES = 300 * MIB
 _CPU_F32_BYTES_PER_S = 10e9
 _CPU_QUANTIZED_BYTES_PER_S = 5e9
 _CPU_TILE_BYTES_PER_S = 0.05e9
-_MIN_CPU_TOKENS_PER_S = 2.0
+_MIN_TOKENS_PER_S = 2.0
 # Tiny demo models answer fast but poorly; "speed" picks them only when nothing better fits.
 _MIN_USEFUL_QUALITY = 3.0
 
@@ -118,6 +119,10 @@ class FitResult(BaseModel):
     context_length: int | None
     largest_context_that_fits: int | None = Field(description="at this level; None when it does not fit")
     memory: MemoryEstimate | None
+    tokens_per_s_bound: float | None = Field(
+        None, description="an upper bound on decode speed with experts in RAM (gpu+ram): the measured RAM read "
+        "bandwidth over the expert bytes a token reads there; None at other levels or when the bandwidth is unknown"
+    )
     reason: str
 
 
@@ -132,6 +137,9 @@ class ModelChoice(BaseModel):
     memory: MemoryEstimate
     download_bytes: int
     bytes_read_per_token: int = Field(description="weights read per generated token, the speed proxy")
+    tokens_per_s_bound: float | None = Field(
+        description="an upper bound on decode speed with experts in RAM, from the measured RAM bandwidth (gpu+ram)"
+    )
     quality: float
     good_for: list[str]
     installed: bool
@@ -358,6 +366,7 @@ class _Budget:
     ram: int
     gpu_name: str
     avx2: bool | None
+    ram_read_bytes_per_s: int | None
     kv_cache: KvCacheType  # not a budget, but what every estimate the fit makes needs along with it
 
 
@@ -366,7 +375,8 @@ def _budget(report: PcReport, prefs: Preferences, engine: EngineProfile) -> _Bud
     vram = prefs.vram_bytes_override if prefs.vram_bytes_override is not None else (gpu.vram_free_bytes if gpu else 0)
     ram = prefs.ram_bytes_override if prefs.ram_bytes_override is not None else report.ram_available_bytes
     name = gpu.name if gpu else "the GPU given by the VRAM override"
-    return _Budget(vram=vram, ram=ram, gpu_name=name, avx2=report.cpu.avx2, kv_cache=prefs.kv_cache)
+    return _Budget(vram=vram, ram=ram, gpu_name=name, avx2=report.cpu.avx2,
+                   ram_read_bytes_per_s=report.ram_read_bytes_per_s, kv_cache=prefs.kv_cache)
 
 
 def _fits(e: MemoryEstimate, budget: _Budget) -> bool:
@@ -479,24 +489,38 @@ def _fit(model: CatalogModel, budget: _Budget, prefs: Preferences, engine: Engin
         )
     target = wanted or min(engine.default_context, model.context_max)
     floor = wanted or min(MIN_CONTEXT, model.context_max)
-    too_slow = None
+    too_slow: dict[Level, str] = {}
     for level in _levels(model, engine, budget):
-        if level == "cpu" and cpu_tokens_per_second(model, engine) < _MIN_CPU_TOKENS_PER_S:
-            too_slow = _why_too_slow(model, engine, budget)
-            continue
         largest = _largest_context(model, level, engine, budget)
+        estimate = None
         if largest is not None and largest >= floor:
-            context = min(target, largest)
-            estimate = _place(model, context, level, engine, budget)
+            estimate = _place(model, min(target, largest), level, engine, budget)
+        speed = _tokens_per_s(model, level, estimate, engine, budget)
+        if speed is not None and speed < _MIN_TOKENS_PER_S:
+            too_slow[level] = _why_too_slow(model, estimate, speed, engine, budget)
+        elif estimate is not None:
+            fits = _why_fits(estimate, target, budget, speed, gpu_gap(model, engine))
             return FitResult(
-                model_id=model.id, level=level, context_length=context, largest_context_that_fits=largest,
-                memory=estimate,
-                reason=_why_fits(estimate, target, budget, cpu_tokens_per_second(model, engine), gpu_gap(model, engine)),
+                model_id=model.id, level=level, context_length=estimate.context_length,
+                largest_context_that_fits=largest, memory=estimate,
+                tokens_per_s_bound=round(speed, 1) if level == "gpu+ram" and speed is not None else None,
+                reason=" ".join([*too_slow.values(), fits]),  # why a faster level was passed over, first
             )
     return FitResult(
         model_id=model.id, level="none", context_length=None, largest_context_that_fits=None, memory=None,
         reason=_why_not(model, floor, engine, budget, too_slow),
     )
+
+
+def _tokens_per_s(model: CatalogModel, level: Level, e: MemoryEstimate | None, engine: EngineProfile,
+                  budget: _Budget) -> float | None:
+    """Decode speed where the fit can tell it: the CPU path's estimate (whatever the placement), or with experts in
+    RAM the bound this PC's RAM sets, every expert byte a token reads there coming through it."""
+    if level == "cpu":
+        return cpu_tokens_per_second(model, engine, budget.ram_read_bytes_per_s)
+    if level == "gpu+ram" and e is not None and budget.ram_read_bytes_per_s and e.ram_expert_bytes_per_token:
+        return budget.ram_read_bytes_per_s / e.ram_expert_bytes_per_token
+    return None
 
 
 def cpu_bytes_read_per_token(model: CatalogModel, engine: EngineProfile) -> float:
@@ -511,48 +535,68 @@ def cpu_tile_types(model: CatalogModel, engine: EngineProfile) -> list[str]:
     return sorted(set(model.tensor_types) - engine.cpu_kernel_types)
 
 
-def cpu_tokens_per_second(model: CatalogModel, engine: EngineProfile) -> float:
-    """Rough decode speed of the CPU path: memory-bound, one pass over the weights per token. A type without a CPU
-    kernel counts for all the weights: the catalog does not say which tensors it holds, and a quant's own type holds
-    the bulk of them."""
+def _cpu_kernel_bytes_per_s(model: CatalogModel, engine: EngineProfile) -> float:
+    """Weight bytes/s the CPU path's products take in. A type without a CPU kernel counts for all the weights: the
+    catalog does not say which tensors it holds, and a quant's own type holds the bulk of them."""
     if engine.cpu_weights_dequantized_to_f32:
-        rate = _CPU_F32_BYTES_PER_S
-    else:
-        rate = _CPU_TILE_BYTES_PER_S if cpu_tile_types(model, engine) else _CPU_QUANTIZED_BYTES_PER_S
-    return rate / cpu_bytes_read_per_token(model, engine)
+        return _CPU_F32_BYTES_PER_S
+    return _CPU_TILE_BYTES_PER_S if cpu_tile_types(model, engine) else _CPU_QUANTIZED_BYTES_PER_S
 
 
-def _why_too_slow(model: CatalogModel, engine: EngineProfile, budget: _Budget) -> str:
+def cpu_tokens_per_second(model: CatalogModel, engine: EngineProfile, ram_read_bytes_per_s: int | None) -> float:
+    """Rough decode speed of the CPU path: memory-bound, one pass over the weights per token, and never faster than
+    this PC's RAM delivers them where that was measured."""
+    rate = _cpu_kernel_bytes_per_s(model, engine)
+    return min(rate, ram_read_bytes_per_s or rate) / cpu_bytes_read_per_token(model, engine)
+
+
+def _why_too_slow(model: CatalogModel, e: MemoryEstimate | None, speed: float, engine: EngineProfile,
+                  budget: _Budget) -> str:
+    if e is not None and e.level == "gpu+ram":
+        where = f"the experts of {e.expert_layers_in_ram} of its layers"
+        return f"Too slow with {where} in RAM: {_ram_speed(e, budget, speed)}."
     gpu_hint = "" if budget.vram > 0 or gpu_gap(model, engine) else "; on an NVIDIA GPU it would run far faster"
     tiles = cpu_tile_types(model, engine)
     why = (f"the CPU has no kernel for its {', '.join(tiles)} tensors and dequantizes them row by row, "
            if tiles else "")
+    ram = budget.ram_read_bytes_per_s
+    limit = ""
+    if ram and ram < _cpu_kernel_bytes_per_s(model, engine):
+        limit = f", as this PC's RAM reads {gb(ram)}/s (measured)"
     return (
         f"Too slow on this PC's CPU: {why}it reads {gb(cpu_bytes_read_per_token(model, engine))} of weights per "
-        f"token, about {cpu_tokens_per_second(model, engine):.2f} tokens/s{gpu_hint}."
+        f"token, about {speed:.2f} tokens/s{limit}{gpu_hint}."
     )
 
 
-def _why_fits(e: MemoryEstimate, target: int, budget: _Budget, cpu_speed: float, gap: str | None) -> str:
+def _ram_speed(e: MemoryEstimate, budget: _Budget, speed: float | None) -> str:
+    if speed is None:
+        return (f"it reads {gb(e.ram_expert_bytes_per_token)} of them per generated token, so RAM bandwidth sets the "
+                "speed")
+    return (f"up to about {speed:.1f} tokens/s, as this PC's RAM reads {gb(budget.ram_read_bytes_per_s)}/s (measured) "
+            f"and a token reads {gb(e.ram_expert_bytes_per_token)} of experts there")
+
+
+def _why_fits(e: MemoryEstimate, target: int, budget: _Budget, speed: float | None, gap: str | None) -> str:
     tokens = f"{e.context_length} tokens of context"
     if e.level == "gpu":
         text = f"Runs on the GPU ({budget.gpu_name}): {gb(e.vram_bytes)} of the {gb(budget.vram)} free VRAM with {tokens}"
     elif e.level == "gpu+ram":
         text = (
             f"Runs on the GPU ({budget.gpu_name}) with the experts of {e.expert_layers_in_ram} of its layers in RAM, "
-            f"where the CPU computes most of them and the GPU reads a few a token over the bus (reading "
-            f"{gb(e.ram_expert_bytes_per_token)} of them per generated token, so RAM bandwidth sets the speed): {gb(e.vram_bytes)} of VRAM and {gb(e.ram_required_bytes)} of RAM "
-            f"with {tokens}"
+            f"where the CPU computes most of them and the GPU reads a few a token over the bus: {gb(e.vram_bytes)} of "
+            f"VRAM and {gb(e.ram_required_bytes)} of RAM with {tokens}"
         )
         if e.expert_cache_slots:
             text += (f"; the GPU also holds the {e.expert_cache_slots} experts each of those layers picks most, "
                      "which it computes itself")
+        text += f"; {_ram_speed(e, budget, speed)}"
     else:
         where = ""
         if budget.vram > 0:
             where = f" because {gap}" if gap else " because it is too big for the GPU"
         text = f"Runs on the CPU{where}: {gb(e.ram_required_bytes)} of the {gb(budget.ram)} RAM available with {tokens}"
-        text += f", about {cpu_speed:.0f} tokens/s"
+        text += f", about {speed:.0f} tokens/s"
         if budget.avx2 is False:
             text += "; AVX2 missing: CPU inference will be slow"
     if e.context_length < target:
@@ -560,28 +604,33 @@ def _why_fits(e: MemoryEstimate, target: int, budget: _Budget, cpu_speed: float,
     return text + "."
 
 
-def _why_not(model: CatalogModel, context: int, engine: EngineProfile, budget: _Budget, cpu_too_slow: str | None) -> str:
-    needs = []
+def _why_not(model: CatalogModel, context: int, engine: EngineProfile, budget: _Budget,
+             too_slow: dict[Level, str]) -> str:
+    """What each level would need, and why a level where the model fits is too slow (too_slow, by level)."""
+    slow = " ".join(too_slow.values())
     gap = gpu_gap(model, engine)
     if budget.vram > 0 and gap is not None:
-        gpu_part = f"On the GPU: {gap}."
-        return f"{gpu_part} {cpu_too_slow}" if cpu_too_slow else f"{gpu_part} Too big for the CPU path: it needs {_cpu_need(model, context, engine, budget)}."
+        cpu_part = slow or f"Too big for the CPU path: it needs {_cpu_need(model, context, engine, budget)}."
+        return f"On the GPU: {gap}. {cpu_part}"
+    needs = []
     if budget.vram > 0:  # the least it needs: the shortest prompt chunk the GPU takes
         least = engine.prefill_chunk
         gpu = estimate_memory(model, context, "gpu", engine, kv_cache=budget.kv_cache, prompt_chunk=least)
         needs.append(f"{gb(gpu.vram_bytes)} of VRAM on the GPU ({gb(budget.vram)} free)")
-        if model.is_moe and engine.experts_in_ram:
+        if model.is_moe and engine.experts_in_ram and "gpu+ram" not in too_slow:
             split = estimate_memory(model, context, "gpu+ram", engine, expert_layers_in_ram=model.n_layers,
                                     kv_cache=budget.kv_cache, prompt_chunk=least)
             needs.append(
                 f"{gb(split.vram_bytes)} of VRAM and {gb(split.ram_required_bytes)} of RAM with its experts in RAM"
             )
-    if cpu_too_slow is not None:
-        if not needs:
-            return cpu_too_slow
-        return f"Too big for the GPU even with {context} tokens of context: it needs " + ", or ".join(needs) + f". {cpu_too_slow}"
-    needs.append(_cpu_need(model, context, engine, budget))
-    return f"Too big for this PC even with {context} tokens of context: it needs " + ", or ".join(needs) + "."
+    where = "the GPU"
+    if "cpu" not in too_slow:
+        needs.append(_cpu_need(model, context, engine, budget))
+        where = "this PC"
+    if not needs:
+        return slow
+    text = f"Too big for {where} even with {context} tokens of context: it needs " + ", or ".join(needs) + "."
+    return f"{text} {slow}" if slow else text
 
 
 def _cpu_need(model: CatalogModel, context: int, engine: EngineProfile, budget: _Budget) -> str:
@@ -670,6 +719,7 @@ def recommend(
             memory=fit.memory,
             download_bytes=model.file_bytes,
             bytes_read_per_token=bytes_read_per_token(model),
+            tokens_per_s_bound=fit.tokens_per_s_bound,
             quality=model.quality,
             good_for=list(model.good_for),
             installed=model.id in installed_ids,
@@ -679,9 +729,10 @@ def recommend(
     if choices:
         best, model = choices[0], fitting[0][0]
         best.why = f"{best.why[:-1]}; {_goal_phrase(model, prefs.goal)}."
+        bound = "" if best.tokens_per_s_bound is None else f" (up to about {best.tokens_per_s_bound:.1f} tokens/s)"
         summary = (
-            f"{best.name} ({best.quant}) {_level_words(best.level)} with {best.context_length} tokens of context: "
-            f"{_goal_phrase(model, prefs.goal)}."
+            f"{best.name} ({best.quant}) {_level_words(best.level)} with {best.context_length} tokens of "
+            f"context{bound}: {_goal_phrase(model, prefs.goal)}."
         )
     elif not_fitting:
         summary = "No supported model in the catalog fits this PC; see not_fitting for what each one needs."

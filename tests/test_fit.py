@@ -8,7 +8,7 @@ from engine import capabilities
 from setup_logic.engine_profile import EngineProfile
 from setup_logic.fit import (Preferences, activation_floats_per_token, estimate_memory, fit_model, kv_cache_bytes,
                              recommend, workspace_bytes)
-from setup_logic.hardware import GIB, CpuInfo, GpuInfo, OsInfo, PcReport
+from setup_logic.hardware import GIB, CpuInfo, GpuInfo, OsInfo, PcReport, gb
 
 MIB = 1 << 20
 COMMON_TYPES = {"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}
@@ -26,7 +26,7 @@ TODAY = ENGINE.model_copy(update={"supported_architectures": {"llama"}, "gpu_arc
                                   "supported_tensor_types": {"F32", "Q4_1", "Q8_0"}})
 
 
-def pc(ram_gb, available_gb, gpus=(), avx2=True, capability="8.9") -> PcReport:
+def pc(ram_gb, available_gb, gpus=(), avx2=True, capability="8.9", ram_read=None) -> PcReport:
     cpu = CpuInfo(model="test CPU", physical_cores=8, logical_cores=16, avx=True, avx2=avx2, avx512f=False,
                   fma=True, f16c=True)
     cards = [
@@ -37,7 +37,7 @@ def pc(ram_gb, available_gb, gpus=(), avx2=True, capability="8.9") -> PcReport:
     ]
     return PcReport(os=OsInfo(name="Linux", version="test", machine="x86_64", wsl=False), cpu=cpu,
                     ram_total_bytes=int(ram_gb * GIB), ram_available_bytes=int(available_gb * GIB), disk_path="/",
-                    disk_free_bytes=500 * GIB, gpus=cards, verdict="", reasons=[])
+                    disk_free_bytes=500 * GIB, gpus=cards, ram_read_bytes_per_s=ram_read, verdict="", reasons=[])
 
 
 def test_kv_cache_formula():
@@ -493,6 +493,43 @@ def test_qwen3_235b_a22b_is_offered_where_ram_and_vram_hold_it():
         layers = fit.memory.expert_layers_in_ram
         assert fit.memory.ram_weights_bytes == round(round(model.expert_bytes * layers / model.n_layers) * ratio)
     assert fit_model(model, pc(64, 58, [("RTX 4090", 24, 23.5)]), Preferences(), REAL).level == "none"
+
+
+def test_experts_in_ram_give_the_speed_this_pcs_ram_allows():
+    """Every expert byte a token reads in RAM comes through it, so the measured bandwidth over those bytes bounds
+    decode; the placement does not depend on it, and without a measurement the reason gives no number."""
+    model, card = get_model("qwen3-30b-a3b"), ("RTX 3060", 12, 11.5)
+    fit = fit_model(model, pc(64, 58, [card], ram_read=40 * 10**9), Preferences(), REAL)
+    assert fit.level == "gpu+ram"
+    per_token = fit.memory.ram_expert_bytes_per_token
+    assert per_token > 0 and fit.tokens_per_s_bound == round(40e9 / per_token, 1)
+    layers = fit.memory.expert_layers_in_ram
+    assert (f"up to about {fit.tokens_per_s_bound:.1f} tokens/s, as this PC's RAM reads 37 GB/s (measured) and a "
+            f"token reads {gb(per_token)} of experts there") in fit.reason
+    unknown = fit_model(model, pc(64, 58, [card]), Preferences(), REAL)
+    assert unknown.memory == fit.memory and unknown.tokens_per_s_bound is None
+    assert "so RAM bandwidth sets the speed" in unknown.reason and "tokens/s" not in unknown.reason
+    # RAM that gives 1.5 tokens/s: not offered with experts in RAM, and the CPU path, reading more there, neither.
+    slow = fit_model(model, pc(64, 58, [card], ram_read=round(1.5 * per_token)), Preferences(), REAL)
+    assert slow.level == "none" and slow.tokens_per_s_bound is None
+    assert (f"Too slow with the experts of {layers} of its layers in RAM: up to about 1.5 tokens/s, as this PC's "
+            "RAM reads") in slow.reason
+    assert "Too slow on this PC's CPU" in slow.reason and "with its experts in RAM" not in slow.reason
+    assert slow.reason.endswith(f"tokens/s, as this PC's RAM reads {gb(round(1.5 * per_token))}/s (measured).")
+    rec = recommend(pc(64, 58, [card], ram_read=round(1.5 * per_token)), [model], Preferences(), REAL)
+    assert rec.choice is None and rec.not_fitting[0].reason == slow.reason
+
+
+def test_the_recommendation_of_a_model_with_experts_in_ram_says_how_fast_it_can_be():
+    """Quality first: a 24 GB card beside 96 GB of RAM picks the 235B with most of its experts in RAM, and says the
+    bound both in the summary and in why."""
+    rec = recommend(pc(96, 90, [("RTX 4090", 24, 23.5)], ram_read=60 * 10**9), load_catalog(),
+                    Preferences(goal="quality"), REAL)
+    choice = rec.choice
+    assert (choice.model_id, choice.level) == ("qwen3-235b-a22b", "gpu+ram")
+    assert choice.tokens_per_s_bound == round(60e9 / choice.memory.ram_expert_bytes_per_token, 1)
+    assert f"(up to about {choice.tokens_per_s_bound:.1f} tokens/s)" in rec.summary
+    assert f"up to about {choice.tokens_per_s_bound:.1f} tokens/s, as this PC's RAM reads 56 GB/s" in choice.why
 
 
 def test_iq3_s_runs_on_the_cpus_kernels_at_about_twice_its_file():
