@@ -29,9 +29,9 @@ SPEC = ToolSpec(
     title="Check this PC",
     description=(
         "Inspect this PC for running a local language model: OS, CPU and its vector flags (AVX2, AVX-512), "
-        "RAM, free disk where models are stored, NVIDIA/AMD GPUs with VRAM, driver and compute capability, "
-        "and a verdict with reasons. No GPU is a normal result: small models then run on the CPU. "
-        "Call this first, then choose_model."
+        "RAM and its read bandwidth (measured), free disk where models are stored, NVIDIA/AMD GPUs with VRAM, "
+        "driver and compute capability, and a verdict with reasons. No GPU is a normal result: small models then "
+        "run on the CPU. Call this first, then choose_model."
     ),
     input_model=CheckPcInput,
     output_model=CheckPcOutput,

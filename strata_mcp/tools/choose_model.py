@@ -51,9 +51,10 @@ SPEC = ToolSpec(
     title="Choose a model",
     description=(
         "Pick the best model for this PC and goal (code, chat, speed, quality): the context length, where "
-        "the memory goes (weights, KV cache, overhead; GPU or RAM), why it was picked, the runners-up that "
-        "fit, the models that do not fit and why, and those our engine cannot run yet. Pass ram_gb/vram_gb "
-        "to override wrong detection. Next: install with the chosen model id."
+        "the memory goes (weights, KV cache, overhead; GPU or RAM), with experts in RAM the most tokens/s this "
+        "PC's RAM allows, why it was picked, the runners-up that fit, the models that do not fit and why, and "
+        "those our engine cannot run yet. Pass ram_gb/vram_gb to override wrong detection. Next: install with the "
+        "chosen model id."
     ),
     input_model=ChooseModelInput,
     output_model=Recommendation,
