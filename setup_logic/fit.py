@@ -1,4 +1,4 @@
-"""How much memory a model needs in our engine, where it fits on this PC, and which model to pick.
+"""How much memory a model needs in our engine and where it fits on this PC (choice.py picks among the models).
 
 The estimate describes what the engine allocates (its EngineProfile says how it stores things), not a generic
 rule of thumb:
@@ -62,8 +62,6 @@ _CPU_F32_BYTES_PER_S = 10e9
 _CPU_QUANTIZED_BYTES_PER_S = 5e9
 _CPU_TILE_BYTES_PER_S = 0.05e9
 _MIN_TOKENS_PER_S = 2.0
-# Tiny demo models answer fast but poorly; "speed" picks them only when nothing better fits.
-_MIN_USEFUL_QUALITY = 3.0
 
 
 class Preferences(BaseModel):
@@ -124,42 +122,6 @@ class FitResult(BaseModel):
         "bandwidth over the expert bytes a token reads there; None at other levels or when the bandwidth is unknown"
     )
     reason: str
-
-
-class ModelChoice(BaseModel):
-    model_id: str
-    name: str
-    quant: str
-    why: str
-    level: Level
-    context_length: int
-    largest_context_that_fits: int
-    memory: MemoryEstimate
-    download_bytes: int
-    bytes_read_per_token: int = Field(description="weights read per generated token, the speed proxy")
-    tokens_per_s_bound: float | None = Field(
-        description="an upper bound on decode speed with experts in RAM, from the measured RAM bandwidth (gpu+ram)"
-    )
-    quality: float
-    good_for: list[str]
-    installed: bool
-
-
-class RejectedModel(BaseModel):
-    id: str
-    name: str
-    reason: str
-
-
-class Recommendation(BaseModel):
-    summary: str
-    goal: Goal
-    vram_budget_bytes: int = Field(description="VRAM a model may use: free VRAM of the best GPU, or the override")
-    ram_budget_bytes: int = Field(description="RAM a model may use: available RAM, or the override")
-    choice: ModelChoice | None
-    alternatives: list[ModelChoice] = Field(description="other models that fit, best first")
-    not_fitting: list[RejectedModel]
-    not_supported: list[RejectedModel] = Field(description="models the engine cannot run yet, with what is missing")
 
 
 def kv_cache_bytes(model: CatalogModel, context_length: int, bytes_per_element: float, chunk: int = 1) -> int:
@@ -361,7 +323,7 @@ def _explain(e: MemoryEstimate, f32: bool) -> str:
 
 
 @dataclass(frozen=True)
-class _Budget:
+class Budget:
     vram: int
     ram: int
     gpu_name: str
@@ -370,20 +332,20 @@ class _Budget:
     kv_cache: KvCacheType  # not a budget, but what every estimate the fit makes needs along with it
 
 
-def _budget(report: PcReport, prefs: Preferences, engine: EngineProfile) -> _Budget:
+def budget_for(report: PcReport, prefs: Preferences, engine: EngineProfile) -> Budget:
     gpu = best_gpu(report.gpus, engine)
     vram = prefs.vram_bytes_override if prefs.vram_bytes_override is not None else (gpu.vram_free_bytes if gpu else 0)
     ram = prefs.ram_bytes_override if prefs.ram_bytes_override is not None else report.ram_available_bytes
     name = gpu.name if gpu else "the GPU given by the VRAM override"
-    return _Budget(vram=vram, ram=ram, gpu_name=name, avx2=report.cpu.avx2,
+    return Budget(vram=vram, ram=ram, gpu_name=name, avx2=report.cpu.avx2,
                    ram_read_bytes_per_s=report.ram_read_bytes_per_s, kv_cache=prefs.kv_cache)
 
 
-def _fits(e: MemoryEstimate, budget: _Budget) -> bool:
+def _fits(e: MemoryEstimate, budget: Budget) -> bool:
     return e.vram_bytes <= budget.vram * _FIT_FRACTION and e.ram_required_bytes <= budget.ram * _FIT_FRACTION
 
 
-def _expert_layers_in_ram(model: CatalogModel, context_length: int, engine: EngineProfile, budget: _Budget,
+def _expert_layers_in_ram(model: CatalogModel, context_length: int, engine: EngineProfile, budget: Budget,
                           chunk: int) -> int | None:
     """The fewest layers whose experts must move to RAM for the rest to fit the GPU (VRAM falls linearly with them);
     None when even every layer's experts in RAM leave too much on the GPU."""
@@ -406,7 +368,7 @@ def _prompt_chunks(engine: EngineProfile, level: Level) -> list[int]:
     return chunks
 
 
-def _place(model: CatalogModel, context_length: int, level: Level, engine: EngineProfile, budget: _Budget):
+def _place(model: CatalogModel, context_length: int, level: Level, engine: EngineProfile, budget: Budget):
     """The estimate of the placement that fits with the longest prompt chunk, or None. With experts in RAM, the
     fewest layers there (decode speed) come first: a chunk is taken only where it moves no more layers to RAM."""
     chunks = _prompt_chunks(engine, level)
@@ -428,7 +390,7 @@ def _place(model: CatalogModel, context_length: int, level: Level, engine: Engin
     return None
 
 
-def _expert_cache_slots(model: CatalogModel, context_length: int, engine: EngineProfile, budget: _Budget,
+def _expert_cache_slots(model: CatalogModel, context_length: int, engine: EngineProfile, budget: Budget,
                         layers: int, chunk: int) -> int:
     """How many of each RAM layer's experts the VRAM that whole layers leave can hold as well (the hot-expert
     cache; less than a layer's worth, spread over all of them)."""
@@ -441,7 +403,7 @@ def _expert_cache_slots(model: CatalogModel, context_length: int, engine: Engine
     return max(0, min(model.n_experts, math.floor(left / per_slot)))
 
 
-def _largest_context(model: CatalogModel, level: Level, engine: EngineProfile, budget: _Budget) -> int | None:
+def _largest_context(model: CatalogModel, level: Level, engine: EngineProfile, budget: Budget) -> int | None:
     """Binary search: memory only grows with the context, so the contexts that fit are 1..answer."""
     if _place(model, 1, level, engine, budget) is None:
         return None
@@ -465,7 +427,7 @@ def gpu_gap(model: CatalogModel, engine: EngineProfile) -> str | None:
     return None
 
 
-def _levels(model: CatalogModel, engine: EngineProfile, budget: _Budget) -> list[Level]:
+def _levels(model: CatalogModel, engine: EngineProfile, budget: Budget) -> list[Level]:
     levels: list[Level] = []
     if budget.vram > 0 and gpu_gap(model, engine) is None:
         levels.append("gpu")
@@ -477,10 +439,10 @@ def _levels(model: CatalogModel, engine: EngineProfile, budget: _Budget) -> list
 
 def fit_model(model: CatalogModel, report: PcReport, prefs: Preferences, engine: EngineProfile) -> FitResult:
     """The fastest level at which the model runs with enough context, the context to use, and why."""
-    return _fit(model, _budget(report, prefs, engine), prefs, engine)
+    return fit_within(model, budget_for(report, prefs, engine), prefs, engine)
 
 
-def _fit(model: CatalogModel, budget: _Budget, prefs: Preferences, engine: EngineProfile) -> FitResult:
+def fit_within(model: CatalogModel, budget: Budget, prefs: Preferences, engine: EngineProfile) -> FitResult:
     wanted = prefs.context_length
     if wanted is not None and wanted > model.context_max:
         return FitResult(
@@ -513,7 +475,7 @@ def _fit(model: CatalogModel, budget: _Budget, prefs: Preferences, engine: Engin
 
 
 def _tokens_per_s(model: CatalogModel, level: Level, e: MemoryEstimate | None, engine: EngineProfile,
-                  budget: _Budget) -> float | None:
+                  budget: Budget) -> float | None:
     """Decode speed where the fit can tell it: the CPU path's estimate (whatever the placement), or with experts in
     RAM the bound this PC's RAM sets, every expert byte a token reads there coming through it."""
     if level == "cpu":
@@ -551,7 +513,7 @@ def cpu_tokens_per_second(model: CatalogModel, engine: EngineProfile, ram_read_b
 
 
 def _why_too_slow(model: CatalogModel, e: MemoryEstimate | None, speed: float, engine: EngineProfile,
-                  budget: _Budget) -> str:
+                  budget: Budget) -> str:
     if e is not None and e.level == "gpu+ram":
         where = f"the experts of {e.expert_layers_in_ram} of its layers"
         return f"Too slow with {where} in RAM: {_ram_speed(e, budget, speed)}."
@@ -569,7 +531,7 @@ def _why_too_slow(model: CatalogModel, e: MemoryEstimate | None, speed: float, e
     )
 
 
-def _ram_speed(e: MemoryEstimate, budget: _Budget, speed: float | None) -> str:
+def _ram_speed(e: MemoryEstimate, budget: Budget, speed: float | None) -> str:
     if speed is None:
         return (f"it reads {gb(e.ram_expert_bytes_per_token)} of them per generated token, so RAM bandwidth sets the "
                 "speed")
@@ -577,7 +539,7 @@ def _ram_speed(e: MemoryEstimate, budget: _Budget, speed: float | None) -> str:
             f"and a token reads {gb(e.ram_expert_bytes_per_token)} of experts there")
 
 
-def _why_fits(e: MemoryEstimate, target: int, budget: _Budget, speed: float | None, gap: str | None) -> str:
+def _why_fits(e: MemoryEstimate, target: int, budget: Budget, speed: float | None, gap: str | None) -> str:
     tokens = f"{e.context_length} tokens of context"
     if e.level == "gpu":
         text = f"Runs on the GPU ({budget.gpu_name}): {gb(e.vram_bytes)} of the {gb(budget.vram)} free VRAM with {tokens}"
@@ -604,7 +566,7 @@ def _why_fits(e: MemoryEstimate, target: int, budget: _Budget, speed: float | No
     return text + "."
 
 
-def _why_not(model: CatalogModel, context: int, engine: EngineProfile, budget: _Budget,
+def _why_not(model: CatalogModel, context: int, engine: EngineProfile, budget: Budget,
              too_slow: dict[Level, str]) -> str:
     """What each level would need, and why a level where the model fits is too slow (too_slow, by level)."""
     slow = " ".join(too_slow.values())
@@ -633,118 +595,12 @@ def _why_not(model: CatalogModel, context: int, engine: EngineProfile, budget: _
     return f"{text} {slow}" if slow else text
 
 
-def _cpu_need(model: CatalogModel, context: int, engine: EngineProfile, budget: _Budget) -> str:
+def _cpu_need(model: CatalogModel, context: int, engine: EngineProfile, budget: Budget) -> str:
     cpu = estimate_memory(model, context, "cpu", engine, kv_cache=budget.kv_cache)
     return f"{gb(cpu.ram_required_bytes)} of RAM on the CPU ({gb(budget.ram)} available)"
-
-
-def _unsupported_reason(model: CatalogModel, engine: EngineProfile) -> str | None:
-    missing = []
-    if model.architecture not in engine.supported_architectures:
-        missing.append(f"the {model.architecture} architecture")
-    types = sorted(set(model.tensor_types) - engine.supported_tensor_types)
-    if types:
-        missing.append(("tensor types " if len(types) > 1 else "the tensor type ") + ", ".join(types))
-    if not missing:
-        return None
-    return f"Needs {' and '.join(missing)}, which the engine does not run yet."
 
 
 def bytes_read_per_token(model: CatalogModel) -> int:
     """Weights read to generate one token: the active parameters at the file's bits per weight."""
     active = model.active_params_b or model.params_b
     return round(model.file_bytes * active / model.params_b)
-
-
-def _rank_key(model: CatalogModel, fit: FitResult, goal: Goal, installed: bool):
-    # GPU levels first: a model on the CPU is several times slower, whatever else it offers.
-    tier = 1 if fit.level == "cpu" else 0
-    speed = bytes_read_per_token(model)
-    if goal == "speed":
-        key = (model.quality < _MIN_USEFUL_QUALITY, speed, -model.quality)
-    elif goal == "quality":
-        key = (-model.quality, speed)
-    else:
-        # At equal quality a model made for this goal alone beats an all-rounder.
-        key = (goal not in model.good_for, -model.quality, len(model.good_for), speed)
-    return (tier, *key, not installed, model.id)
-
-
-def _goal_phrase(model: CatalogModel, goal: Goal) -> str:
-    if goal == "speed":
-        return f"the fastest useful model that fits ({gb(bytes_read_per_token(model))} of weights read per token)"
-    if goal == "quality":
-        return "the highest-quality model that fits"
-    if goal in model.good_for:
-        return f"the best model for {goal} that fits"
-    return f"no model made for {goal} fits, so the best other model"
-
-
-def _level_words(level: Level) -> str:
-    return {"gpu": "on the GPU", "gpu+ram": "on the GPU with experts in RAM", "cpu": "on the CPU"}[level]
-
-
-def recommend(
-    report: PcReport,
-    models: list[CatalogModel],
-    prefs: Preferences,
-    engine: EngineProfile,
-    installed_ids: set[str] | frozenset[str] = frozenset(),
-) -> Recommendation:
-    """Pick the model for this PC and goal, with the runners-up, those that do not fit and those not supported."""
-    budget = _budget(report, prefs, engine)
-    fitting: list[tuple[CatalogModel, FitResult]] = []
-    not_fitting: list[RejectedModel] = []
-    not_supported: list[RejectedModel] = []
-    for model in models:
-        missing = _unsupported_reason(model, engine)
-        if missing:
-            not_supported.append(RejectedModel(id=model.id, name=model.name, reason=missing))
-            continue
-        fit = _fit(model, budget, prefs, engine)
-        if fit.level == "none":
-            not_fitting.append(RejectedModel(id=model.id, name=model.name, reason=fit.reason))
-        else:
-            fitting.append((model, fit))
-    fitting.sort(key=lambda pair: _rank_key(pair[0], pair[1], prefs.goal, pair[0].id in installed_ids))
-    choices = [
-        ModelChoice(
-            model_id=model.id,
-            name=model.name,
-            quant=model.quant,
-            why=fit.reason,
-            level=fit.level,
-            context_length=fit.context_length,
-            largest_context_that_fits=fit.largest_context_that_fits,
-            memory=fit.memory,
-            download_bytes=model.file_bytes,
-            bytes_read_per_token=bytes_read_per_token(model),
-            tokens_per_s_bound=fit.tokens_per_s_bound,
-            quality=model.quality,
-            good_for=list(model.good_for),
-            installed=model.id in installed_ids,
-        )
-        for model, fit in fitting
-    ]
-    if choices:
-        best, model = choices[0], fitting[0][0]
-        best.why = f"{best.why[:-1]}; {_goal_phrase(model, prefs.goal)}."
-        bound = "" if best.tokens_per_s_bound is None else f" (up to about {best.tokens_per_s_bound:.1f} tokens/s)"
-        summary = (
-            f"{best.name} ({best.quant}) {_level_words(best.level)} with {best.context_length} tokens of "
-            f"context{bound}: {_goal_phrase(model, prefs.goal)}."
-        )
-    elif not_fitting:
-        summary = "No supported model in the catalog fits this PC; see not_fitting for what each one needs."
-    else:
-        summary = "The engine cannot run any model in the catalog yet; see not_supported for what is missing."
-    return Recommendation(
-        summary=summary,
-        goal=prefs.goal,
-        vram_budget_bytes=budget.vram,
-        ram_budget_bytes=budget.ram,
-        choice=choices[0] if choices else None,
-        alternatives=choices[1:],
-        not_fitting=not_fitting,
-        not_supported=not_supported,
-    )

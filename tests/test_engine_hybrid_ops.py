@@ -176,7 +176,8 @@ def test_hybrids_run_on_both_paths():
 def test_choose_model_offers_the_catalogs_hybrids_on_the_gpu():
     from setup_logic.catalog import load_catalog
     from setup_logic.engine_profile import EngineProfile
-    from setup_logic.fit import Preferences, recommend
+    from setup_logic.choice import recommend
+    from setup_logic.fit import Preferences
     from test_fit import pc
 
     engine = EngineProfile(**profile())

@@ -6,8 +6,9 @@ import pytest
 from setup_logic.catalog import get_model, load_catalog
 from engine import capabilities
 from setup_logic.engine_profile import EngineProfile
+from setup_logic.choice import recommend
 from setup_logic.fit import (Preferences, activation_floats_per_token, estimate_memory, fit_model, kv_cache_bytes,
-                             recommend, workspace_bytes)
+                             workspace_bytes)
 from setup_logic.hardware import GIB, CpuInfo, GpuInfo, OsInfo, PcReport, gb
 
 MIB = 1 << 20

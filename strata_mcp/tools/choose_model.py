@@ -8,8 +8,9 @@ from mcp.types import ToolAnnotations
 from pydantic import Field
 
 from setup_logic.catalog import load_catalog
+from setup_logic.choice import Recommendation, recommend
 from setup_logic.engine_profile import KvCacheType
-from setup_logic.fit import Preferences, Recommendation, recommend
+from setup_logic.fit import Preferences
 from setup_logic.hardware import probe
 from strata_mcp.runtime import Runtime, engine_profile
 from strata_mcp.tooling import Reporter, ToolInput, ToolSpec
