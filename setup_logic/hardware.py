@@ -6,6 +6,7 @@ so tests can feed fakes. No GPU, no NVML, no /proc are normal results, never err
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import platform
@@ -153,6 +154,7 @@ def probe_cpu(cpuinfo_text: str | None = None, system: str | None = None) -> Cpu
     )
 
 
+@functools.cache  # once a process: check_pc, choose_model and start each probe, and the RAM does not change
 def measure_ram_read() -> int:
     """Bytes/s this PC's RAM delivers to all cores: a thread a core sums its slice of the test buffer (NumPy's
     reductions release the GIL, so they run at once), the best of a few passes. On a 2-core EPYC VM it matched
