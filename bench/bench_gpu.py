@@ -169,13 +169,13 @@ def decode_breakdown_us(state, reps: int = 20) -> dict[str, float]:
 
 def moe_breakdown_us(state, reps: int = 20) -> dict[str, float]:
     """Like decode_breakdown_us for the mixture-of-experts half of a qwen3moe layer (layer 0): the norm in front,
-    router product, routing, and the chosen experts' FFN (gate/up, int8 quantization of the hidden vector, down)."""
+    router product with the routing, and the chosen experts' FFN (gate/up, int8 quantization of the hidden vector, down)."""
     backend, c, layer, chunk = state.backend, state.config, state.weights.layers[0], state.workspace.chunk(1)
     ffn, e, b, h = layer.ffn, c.experts, chunk.parts["moe"], chunk.h
     ops = {
         "add_rms_norm+q8": lambda: backend.add_rms_norm(chunk.delta, chunk.x, layer.ffn_norm, c.rms_eps, h),
-        "router": lambda: backend.linear(h, ffn.router, b.router_logits),
-        "route": lambda: backend.moe_route(b.router_logits, e.top_k, e.normalize_weights, b.weights, b.ids),
+        "router+route": lambda: backend.route_experts(h, ffn.router, e.count, e.top_k, e.normalize_weights,
+                                                      b.router_logits, b.weights, b.ids),
         "experts": lambda: backend.moe_ffn(h, ffn.gate_exps, ffn.up_exps, ffn.down_exps, b.ids, b.weights, chunk.delta,
                                            b.scratch),
     }

@@ -280,6 +280,15 @@ class Backend(Protocol):
         router_logits: (n, n_experts) float32; weights_out: (n, top_k) float32; ids_out: (n, top_k) int32.
         """
 
+    def route_experts(self, x: Array, router: WeightHandle, n_experts: int, top_k: int, normalize: bool,
+                      logits_out: Array, weights_out: Array, ids_out: Array) -> None:
+        """The router's product, then the routing (a backend may run both as one): logits_out = x @ router.T, then
+        `moe_route` of its first n_experts columns into weights_out and ids_out.
+
+        x: (n, k) float32; router: (m, k), m >= n_experts (rows after the experts', such as a shared expert's gate,
+        are computed, not routed); logits_out: (n, m) float32.
+        """
+
     def moe_ffn(
         self,
         x: Array,
@@ -385,6 +394,13 @@ class Backend(Protocol):
         x, out: (n, m) float32, out may be x (when not accumulating); gate: (n, m), or (n, 1) broadcast over the row
         (the gated attention output and the shared expert's gate). Inputs may be column views of wider rows.
         """
+
+
+def route_after_product(backend: Backend, x: Array, router: WeightHandle, n_experts: int, top_k: int,
+                        normalize: bool, logits_out: Array, weights_out: Array, ids_out: Array) -> None:
+    """Backend.route_experts as `linear`, then `moe_route`."""
+    backend.linear(x, router, logits_out)
+    backend.moe_route(logits_out[:, :n_experts], top_k, normalize, weights_out, ids_out)
 
 
 def linear_each(backend: Backend, x: Array, weights: list[WeightHandle], out: Array,

@@ -22,7 +22,7 @@ import numpy as np
 
 from engine import quants
 from engine.backend import (Q8_0_GROUP, ROPE_NEOX, ROPE_NORMAL, ExpertCacheStats, KVCache, MemoryInUse, RopeTable,
-                            SamplingParams, check_kv_cache_type, linear_each)
+                            SamplingParams, check_kv_cache_type, linear_each, route_after_product)
 from engine.capabilities import GPU_KV_DTYPE, HOST_EXPERT_THREADS, MIN_COMPUTE_CAPABILITY, dequant_slice_rows
 from engine import expert_stream
 from engine.expert_cache import ExpertCache
@@ -404,6 +404,15 @@ class CupyBackend:
     @_op("weights_out", "ids_out")
     def moe_route(self, router_logits: Any, top_k: int, normalize: bool, weights_out: Any, ids_out: Any) -> None:
         K.moe_route(router_logits, top_k, normalize, weights_out, ids_out)
+
+    @_op("logits_out", "weights_out", "ids_out")
+    def route_experts(self, x: Any, router: K.GpuWeight, n_experts: int, top_k: int, normalize: bool, logits_out: Any,
+                      weights_out: Any, ids_out: Any) -> None:
+        if x.shape[0] == 1 and not router.quantized and router.shape[1] % 8 == 0:
+            K.router_route(router, x, logits_out, n_experts, top_k, normalize, weights_out, ids_out,
+                           self._decode_buffer("router_done", 1, cupy.uint32, zeroed=True))
+            return
+        route_after_product(self, x, router, n_experts, top_k, normalize, logits_out, weights_out, ids_out)
 
     @_op("out", "scratch")
     def moe_ffn(self, x, gate_exps: K.GpuWeight | CpuWeight, up_exps: K.GpuWeight | CpuWeight,

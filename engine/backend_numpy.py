@@ -13,7 +13,7 @@ import numpy as np
 
 from engine import quants
 from engine.backend import (Q8_0_GROUP, ROPE_NEOX, KVCache, MemoryInUse, RopeTable, SamplingParams, check_kv_cache_type,
-                            linear_each)
+                            linear_each, route_after_product)
 from engine.capabilities import CPU_KV_DTYPE
 from engine.cpu import experts, ops, products
 from engine.cpu.blas import blas_threads
@@ -129,6 +129,10 @@ class NumpyBackend:
 
     def moe_route(self, router_logits, top_k: int, normalize: bool, weights_out, ids_out) -> None:
         reference.moe_route(router_logits, top_k, normalize, weights_out, ids_out)
+
+    def route_experts(self, x, router: CpuWeight, n_experts: int, top_k: int, normalize: bool, logits_out,
+                      weights_out, ids_out) -> None:
+        route_after_product(self, x, router, n_experts, top_k, normalize, logits_out, weights_out, ids_out)
 
     def moe_ffn(self, x, gate_exps: CpuWeight, up_exps: CpuWeight, down_exps: CpuWeight, ids, weights, out, scratch, activation: str = "silu") -> None:
         experts.moe_ffn(x, gate_exps, up_exps, down_exps, ids, weights, out, activation)  # scratch: the GPU's space

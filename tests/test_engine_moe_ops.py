@@ -33,6 +33,21 @@ def test_route_picks_highest_probabilities_and_renormalizes():
     np.testing.assert_allclose(normalized[0, 0] / normalized[0, 1], probs[0, 1] / probs[0, 3], rtol=1e-5)
 
 
+def test_route_experts_routes_the_router_product():
+    """route_experts: the router's product, a row after the experts' computed but not routed, then the routing."""
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((5, 32)).astype(np.float32)
+    x = rng.standard_normal((3, 32)).astype(np.float32)
+    backend = NumpyBackend()
+    router = backend.upload(GGUFTensor("blk.0.ffn_gate_inp.weight", GGMLQuantizationType.F32, (5, 32),
+                                       w.view(np.uint8).reshape(-1)))
+    logits, weights, ids = backend.empty((3, 5)), backend.empty((3, 2)), backend.empty((3, 2), np.int32)
+    backend.route_experts(x, router, 4, 2, True, logits, weights, ids)
+    np.testing.assert_allclose(logits, x @ w.T, rtol=1e-5, atol=1e-6)
+    assert ids.tolist() == np.argsort(-(x @ w[:4].T), axis=1, kind="stable")[:, :2].tolist()
+    np.testing.assert_allclose(weights.sum(axis=1), 1.0, rtol=1e-6)
+
+
 def test_route_breaks_ties_by_lower_expert_id():
     weights, ids = _route(np.zeros((1, 8), np.float32), 3, normalize=True)
     assert ids.tolist() == [[0, 1, 2]]

@@ -75,6 +75,40 @@ def test_moe_route(n_experts, top_k, normalize, extra):
     backend.close()
 
 
+@pytest.mark.parametrize("qtype", [T.F32, T.F16, T.BF16])
+@pytest.mark.parametrize("n_experts,top_k,normalize,extra,k", [(128, 8, True, 0, 2048), (8, 2, True, 0, 64),
+                                                                (60, 4, False, 1, 4096), (128, 8, True, 1, 96)])
+def test_route_experts_one_token(qtype, n_experts, top_k, normalize, extra, k):
+    """A decode step's router product and routing in one kernel (router_route): the logits against x @ W.T of the
+    weights as stored, the picks against moe_route's reference on those logits. Rows of 64 and 96 values leave
+    lanes without weights; 4,096 has more than the loads made before the wait. Three tokens in turn: the kernel's
+    counter must be back at zero for the next."""
+    rng = np.random.default_rng()
+    backend = CupyBackend()
+    m = n_experts + extra
+    values = (rng.standard_normal((m, k)) * 0.1).astype(np.float32)
+    if qtype == T.BF16:
+        raw = (values.view(np.uint32) >> 16).astype(np.uint16)
+        values = (raw.astype(np.uint32) << 16).view(np.float32)
+    else:
+        raw = values.astype(np.float16 if qtype == T.F16 else np.float32)
+        values = raw.astype(np.float32)
+    router = backend.upload(GGUFTensor("blk.0.ffn_gate_inp.weight", qtype, (m, k), raw.view(np.uint8).reshape(-1)))
+    for _ in range(3):
+        x = rng.standard_normal((1, k)).astype(np.float32)
+        with backend.stream:
+            x_dev, logits = cp.asarray(x), cp.full((1, m), np.nan, cp.float32)
+            weights, ids = cp.full((1, top_k), np.nan, cp.float32), cp.full((1, top_k), -1, cp.int32)
+        backend.route_experts(x_dev, router, n_experts, top_k, normalize, logits, weights, ids)
+        got = backend.to_host(logits)
+        assert rel(got, x.astype(np.float64) @ values.T.astype(np.float64)) < 1e-5
+        want_w, want_ids = np.empty((1, top_k), np.float32), np.empty((1, top_k), np.int32)
+        reference.moe_route(got[:, :n_experts], top_k, normalize, want_w, want_ids)
+        assert np.array_equal(ids.get(), want_ids)
+        assert rel(weights.get(), want_w) < 1e-5
+    backend.close()
+
+
 MIXES = [(T.Q4_K, T.Q6_K), (T.Q4_0, T.Q8_0), (T.Q5_K, T.Q5_1), (T.F16, T.F16), (T.F32, T.F32)]
 # Experts kept in RAM, in every layout of the CPU's kernels that the GPU reads (kernel_names.HOST_LAYOUTS).
 HOST_MIXES = [*MIXES[:3], (T.Q3_K, T.Q4_K)]

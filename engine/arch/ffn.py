@@ -96,9 +96,8 @@ class MoeFFN:
     def routed(self, config: DecoderConfig, chunk: Chunk, backend: Backend, b: MoeBuffers) -> None:
         """The chosen experts' weighted sum into chunk.delta."""
         h = chunk.h
-        backend.linear(h, self.router, b.router_logits)
-        backend.moe_route(b.router_logits[:, : config.moe().count], self.top_k, self.normalize_weights, b.weights,
-                          b.ids)
+        backend.route_experts(h, self.router, config.moe().count, self.top_k, self.normalize_weights,
+                              b.router_logits, b.weights, b.ids)
         backend.moe_ffn(h, self.gate_exps, self.up_exps, self.down_exps, b.ids, b.weights, chunk.delta, b.scratch,
                         config.activation)
 

@@ -355,6 +355,16 @@ def moe_down(down: GpuWeight | CpuLayoutWeight, hidden: Any, q8: Q8 | None, ids:
            (*down.args(), *src, ids, weights, i32(top_k), out, i32(d), i32(f)))
 
 
+def router_route(router: GpuWeight, x: Any, logits: Any, n_experts: int, top_k: int, normalize: bool, weights_out: Any,
+                 ids_out: Any, done: Any) -> None:
+    """One token's logits (1, m) = x (1, k) . router (m, k) (float weights, k a multiple of 8), then moe_route of
+    their first n_experts, in one launch (sampling.cu router_route); done: counters(1)."""
+    m, k = router.shape
+    launch("sampling", N.typed("router_route", router.qtype), (_blocks(m, WARPS),), (32 * WARPS,),
+           (router.data, x, logits, i32(m), i32(k), i32(n_experts), i32(top_k), i32(1 if normalize else 0),
+            weights_out, ids_out, done), shared_mem=4 * (n_experts + top_k))
+
+
 def moe_route(logits: Any, top_k: int, normalize: bool, weights_out: Any, ids_out: Any) -> None:
     """Softmax of each row of logits (n, n_experts; rows may be strided), its top_k experts into
     ids_out/weights_out (n, top_k); one warp a token."""

@@ -24,6 +24,7 @@ PER_TYPE = {
     "matvec_glu_q8": ("matvec", QUANT_TYPES),
     "matmul": ("matmul", QUANT_TYPES),
     "matmul_glu": ("matmul", QUANT_TYPES),
+    "router_route": ("sampling", FLOAT_WEIGHTS),  # a decode step's router product and routing (sampling.cu)
 }
 # A mixture's grouped prompt products (matmul.cu GROUPED_Q), built per weight type and for the CPU kernels' layouts
 # of experts streamed from RAM (engine/cpu/layout.py families; "5": nibbles with a fifth bit, "_k": the K-quants'

@@ -448,27 +448,38 @@ struct HostQ8 {
     MACRO(cpu_q3k, HostQ3K)                  \
     MACRO(cpu_q8, HostQ8)
 
-// Float weight types, 8 consecutive values per read.
+// Float weight types, 8 consecutive values per read: WORDS16 16-byte words, which unpack8 turns into floats (apart,
+// so that a kernel can load the words early and unpack them later).
 struct WF32 {
     typedef float T;
+    static constexpr int WORDS16 = 2;
+    __device__ static void unpack8(const uint4 (&u)[WORDS16], float (&v)[8]) {
+        const u32 w[8] = {u[0].x, u[0].y, u[0].z, u[0].w, u[1].x, u[1].y, u[1].z, u[1].w};
+#pragma unroll
+        for (int e = 0; e < 8; ++e) v[e] = __uint_as_float(w[e]);
+    }
     __device__ static void load8(const float* p, long i, float (&v)[8]) {
-        const float4 a = __ldg(reinterpret_cast<const float4*>(p + i));
-        const float4 b = __ldg(reinterpret_cast<const float4*>(p + i + 4));
-        v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+        const uint4 u[2] = {__ldg(reinterpret_cast<const uint4*>(p + i)),
+                            __ldg(reinterpret_cast<const uint4*>(p + i + 4))};
+        unpack8(u, v);
     }
 };
 
 template <bool BF>
 struct WHalf {
     typedef u16 T;
-    __device__ static void load8(const u16* p, long i, float (&v)[8]) {
-        const uint4 a = __ldg(reinterpret_cast<const uint4*>(p + i));
-        const u32 u[4] = {a.x, a.y, a.z, a.w};
+    static constexpr int WORDS16 = 1;
+    __device__ static void unpack8(const uint4 (&a)[WORDS16], float (&v)[8]) {
+        const u32 u[4] = {a[0].x, a[0].y, a[0].z, a[0].w};
 #pragma unroll
         for (int t = 0; t < 4; ++t) {
             v[2 * t] = BF ? bf2f((u16)(u[t] & 0xFFFF)) : h2f((u16)(u[t] & 0xFFFF));
             v[2 * t + 1] = BF ? bf2f((u16)(u[t] >> 16)) : h2f((u16)(u[t] >> 16));
         }
+    }
+    __device__ static void load8(const u16* p, long i, float (&v)[8]) {
+        const uint4 u[1] = {__ldg(reinterpret_cast<const uint4*>(p + i))};
+        unpack8(u, v);
     }
 };
 typedef WHalf<false> WF16;

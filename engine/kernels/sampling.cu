@@ -201,27 +201,20 @@ extern "C" __global__ void sample_sorted(const float* __restrict__ vals, const i
     if (threadIdx.x == 0) emit(ids[min(pick, keep - 1)], out_id, feed, position);
 }
 
-// Mixture-of-experts routing (engine/backend.py moe_route), one warp per token, 4 tokens a block, so no step waits
-// on a block-wide barrier: p = softmax of the router logits in float32, the top_k experts by p (highest first, ties:
-// lower id), their p divided by the picked sum when normalize. Taken entries are set to -1 (below any
-// probability); an id stays in range even for NaN logits. stride: the logits' row stride (a router whose product
-// also holds the shared expert's gate has a column more).
-extern "C" __global__ void moe_route(const float* __restrict__ logits, long stride, int n_tokens, int n_experts,
-                                     int top_k, int normalize, float* __restrict__ weights_out,
-                                     int* __restrict__ ids_out) {
-    grid_dependency_sync();
-    extern __shared__ float shared[];
-    const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
-    const long token = (long)blockIdx.x * (blockDim.x / 32) + warp;
-    if (token >= n_tokens) return;
-    float* p = shared + warp * n_experts;
-    const float* row = logits + token * stride;
+// Mixture-of-experts routing of one token by one warp (engine/backend.py moe_route): p = softmax of the router
+// logits in float32, the top_k experts by p (highest first, ties: lower id), their p divided by the picked sum when
+// normalize. p: n_experts floats of shared memory. Taken entries are set to -1 (below any probability); an id stays
+// in range even for NaN logits. The logits are read through L2 (__ldcg): in router_route other blocks of the same
+// kernel wrote them.
+__device__ void route_token(const float* row, int n_experts, int top_k, int normalize, float* p,
+                            float* __restrict__ weights_out, int* __restrict__ ids_out) {
+    const int lane = threadIdx.x & 31;
     float m = NEG_INF;
-    for (int i = lane; i < n_experts; i += 32) m = fmaxf(m, row[i]);
+    for (int i = lane; i < n_experts; i += 32) m = fmaxf(m, __ldcg(row + i));
     m = warp_max(m);
     float sum = 0.0f;
     for (int i = lane; i < n_experts; i += 32) {
-        p[i] = expf(row[i] - m);
+        p[i] = expf(__ldcg(row + i) - m);
         sum += p[i];
     }
     sum = warp_sum(sum);
@@ -241,16 +234,146 @@ extern "C" __global__ void moe_route(const float* __restrict__ logits, long stri
         }
         if (bi >= n_experts) bi = j;
         if (lane == 0) {
-            ids_out[token * top_k + j] = bi;
-            weights_out[token * top_k + j] = p[bi];
+            ids_out[j] = bi;
+            weights_out[j] = p[bi];
             picked += p[bi];
             p[bi] = -1.0f;
         }
         __syncwarp();
     }
     if (lane == 0 && normalize)
-        for (int j = 0; j < top_k; ++j) weights_out[token * top_k + j] /= picked;
+        for (int j = 0; j < top_k; ++j) weights_out[j] /= picked;
 }
+
+// A block-wide reduction (max, or sum) of every thread's v; red: 32 floats of shared memory.
+template <bool MAX>
+__device__ __forceinline__ float block_reduce(float v, float* red) {
+    v = MAX ? warp_max(v) : warp_sum(v);
+    __syncthreads();  // red is free (an earlier reduction's readers are done)
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x / 32] = v;
+    __syncthreads();
+    v = red[0];
+    for (int w = 1; w < blockDim.x / 32; ++w) v = MAX ? fmaxf(v, red[w]) : v + red[w];
+    return v;
+}
+
+// route_token's work by a whole block, in a fixed number of steps rather than top_k rounds of a warp's argmax: p
+// (n_experts floats of shared memory) as there, then each entry's rank in the (p descending, id ascending) order,
+// counted against every other entry, and the entries ranked below top_k write themselves. picked: top_k floats of
+// shared memory, red: 32. A NaN p ranks below every number, so ids stay distinct and in range.
+__device__ void route_block(const float* row, int n_experts, int top_k, int normalize, float* p, float* picked,
+                            float* red, float* __restrict__ weights_out, int* __restrict__ ids_out) {
+    float m = NEG_INF;
+    for (int i = threadIdx.x; i < n_experts; i += blockDim.x) m = fmaxf(m, p[i] = __ldcg(row + i));
+    m = block_reduce<true>(m, red);
+    float sum = 0.0f;
+    for (int i = threadIdx.x; i < n_experts; i += blockDim.x) sum += p[i] = expf(p[i] - m);
+    sum = block_reduce<false>(sum, red);
+    for (int i = threadIdx.x; i < n_experts; i += blockDim.x) {
+        const float v = p[i] / sum;
+        p[i] = v == v ? v : -1.0f;
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < n_experts; i += blockDim.x) {
+        const float v = p[i];
+        int rank = 0;
+#pragma unroll 8
+        for (int j = 0; j < n_experts; ++j) rank += better(p[j], j, v, i);
+        if (rank < top_k) {
+            ids_out[rank] = i;
+            picked[rank] = v;
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x < top_k) {
+        float total = 0.0f;  // in route_token's order
+        for (int j = 0; j < top_k; ++j) total += picked[j];
+        weights_out[threadIdx.x] = normalize ? picked[threadIdx.x] / total : picked[threadIdx.x];
+    }
+}
+
+// route_token for each token, one warp a token, 4 tokens a block, so no step waits on a block-wide barrier. stride:
+// the logits' row stride (a router whose product also holds the shared expert's gate has a column more).
+extern "C" __global__ void moe_route(const float* __restrict__ logits, long stride, int n_tokens, int n_experts,
+                                     int top_k, int normalize, float* __restrict__ weights_out,
+                                     int* __restrict__ ids_out) {
+    grid_dependency_sync();
+    extern __shared__ float shared[];
+    const int warp = threadIdx.x / 32;
+    const long token = (long)blockIdx.x * (blockDim.x / 32) + warp;
+    if (token >= n_tokens) return;
+    route_token(logits + token * stride, n_experts, top_k, normalize, shared + warp * n_experts,
+                weights_out + token * top_k, ids_out + token * top_k);
+}
+
+// A decode step's router product and its routing in one launch (engine/backend.py route_experts, one token): a
+// warp a row of the router's float weights (m rows: the experts', then any more, such as a shared expert's gate),
+// logits = w . x; then the last block to finish (done: a counter it leaves at zero again) routes the token on the
+// first n_experts logits (route_block). The weights never depend on the kernel before, so each lane loads its first
+// ROUTER_EARLY groups of 8 weights before grid_dependency_sync (plain loads: see ld16_early), and the wait overlaps
+// them. Session 14's one-launch router, with neither the early loads nor route_block, cost what the product and
+// moe_route cost apart. n_experts + top_k floats of dynamic shared memory.
+#define ROUTER_EARLY 8
+template <class W>
+__device__ __forceinline__ void router_route(const typename W::T* w, const float* __restrict__ x, float* logits,
+                                             int m, int k, int n_experts, int top_k, int normalize,
+                                             float* __restrict__ weights_out, int* __restrict__ ids_out, u32* done) {
+    extern __shared__ float probs[];  // n_experts, then top_k picked
+    __shared__ float red[32];
+    __shared__ bool last;
+    const int lane = threadIdx.x & 31, row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, groups = k / 8;
+    const typename W::T* wr = w + (long)row * k;
+    uint4 early[ROUTER_EARLY][W::WORDS16];
+#pragma unroll
+    for (int i = 0; i < ROUTER_EARLY; ++i)
+        if (row < m && lane + 32 * i < groups)
+#pragma unroll
+            for (int u = 0; u < W::WORDS16; ++u)
+                early[i][u] = ld16_early(wr + 8 * (lane + 32 * i) + u * 8 / W::WORDS16);
+    grid_dependency_sync();
+    if (row < m) {
+        float acc = 0.0f;
+        auto add = [&](int c, const float (&v)[8]) {
+            const float4 xa = __ldg(reinterpret_cast<const float4*>(x + 8 * c));
+            const float4 xb = __ldg(reinterpret_cast<const float4*>(x + 8 * c + 4));
+            const float xv[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc = fmaf(v[e], xv[e], acc);
+        };
+#pragma unroll
+        for (int i = 0; i < ROUTER_EARLY; ++i)
+            if (lane + 32 * i < groups) {
+                float v[8];
+                W::unpack8(early[i], v);
+                add(lane + 32 * i, v);
+            }
+        for (int c = lane + 32 * ROUTER_EARLY; c < groups; c += 32) {
+            float v[8];
+            W::load8(w, (long)row * k + 8 * c, v);
+            add(c, v);
+        }
+        acc = warp_sum(acc);
+        if (lane == 0) {
+            logits[row] = acc;
+            __threadfence();  // visible to the last block before this block's count
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(done, 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    route_block(logits, n_experts, top_k, normalize, probs, probs + n_experts, red, weights_out, ids_out);
+    if (threadIdx.x == 0) *done = 0;
+}
+
+#define ROUTER_ROUTE(name, W)                                                                                  \
+    extern "C" __global__ void router_route_##name(const W::T* w, const float* x, float* logits, int m, int k,  \
+                                                   int n_experts, int top_k, int normalize, float* weights_out, \
+                                                   int* ids_out, u32* done) {                                  \
+        router_route<W>(w, x, logits, m, k, n_experts, top_k, normalize, weights_out, ids_out, done);           \
+    }
+FOR_EACH_FLOAT(ROUTER_ROUTE)
 
 // One token's chosen experts of a layer whose experts live in RAM, some cached on the GPU (engine/expert_cache.py):
 // slot_of[e] is expert e's slot in the layer's cache or -1. The GPU computes the cached ones (slots, -1 for the
