@@ -450,16 +450,11 @@ class CupyBackend:
             x_q8 = self._quantized_input(x) if n == 1 else self._q8_scratch(self._buffer, "moe_x", x.size)
             if n > 1:
                 K.quantize_q8(x, x_q8)
+        K.moe_gate_up(gate, up, x, x_q8, ids, hidden, act)
         if down.quantized:
             # A prompt chunk's scratch grows as needed; decode's keeps the address its captured graph holds.
             h_q8 = self._q8_scratch(self._buffer if n > 1 else self._decode_buffer, "moe_hidden", hidden.size)
-        if h_q8 is not None and n == 1 and gate.quantized and hidden.shape[1] % 32 == 0:
-            done = self._decode_buffer("moe_hidden_done", hidden.size // 32, cupy.uint32, zeroed=True)
-            K.moe_gate_up(gate, up, x, x_q8, ids, hidden, act, h_q8, done)  # quantizes hidden as it goes
-        else:
-            K.moe_gate_up(gate, up, x, x_q8, ids, hidden, act)
-            if h_q8 is not None:
-                K.quantize_q8(hidden, h_q8)
+            K.quantize_q8(hidden, h_q8)
         K.moe_down(down, hidden, h_q8, ids, weights, out)
 
     def _grouped_moe(self, x, gate: K.GpuWeight, up: K.GpuWeight, down: K.GpuWeight, ids, weights, out, hidden,

@@ -335,21 +335,14 @@ def matvec_glu(gate: GpuWeight, up: GpuWeight, x: Any, q8: Q8 | None, out: Any, 
 
 
 def moe_gate_up(gate: GpuWeight | CpuLayoutWeight, up: GpuWeight | CpuLayoutWeight, x: Any, q8: Q8 | None, ids: Any,
-                hidden: Any, act: int, q8_out: Q8 | None = None, done: Any = None) -> None:
+                hidden: Any, act: int) -> None:
     """hidden (n * top_k, f) = act(gate_e . x[token]) * (up_e . x[token]) for each token's chosen experts e =
-    ids (n, top_k); gate, up: stacked (n_experts, f, k) weights of one type or layout; quantized ones read q8 (x's).
-    q8_out (quantized weights, f a multiple of 32): hidden is also quantized there, with done = counters(n * top_k
-    * f / 32)."""
+    ids (n, top_k); gate, up: stacked (n_experts, f, k) weights of one type or layout; quantized ones read q8 (x's)."""
     _, f, k = gate.shape
     slots = ids.size
     src = q8.args() if gate.quantized else (x,)
-    extra = ()
-    if gate.quantized:
-        if q8_out is not None and f % 32:
-            raise ValueError(f"gate/up quantizes its output in groups of 32 rows, not {f}")
-        extra = (*q8_args(q8_out), done if q8_out is not None else np.uintp(0))
     launch("matvec", N.moe("moe_gate_up", gate.suffix), (_blocks(f, WARPS), slots), (32 * WARPS,),
-           (*gate.args(), *up.args(), *src, ids, i32(ids.shape[1]), hidden, i32(f), i32(k), i32(act), *extra))
+           (*gate.args(), *up.args(), *src, ids, i32(ids.shape[1]), hidden, i32(f), i32(k), i32(act)))
 
 
 def moe_down(down: GpuWeight | CpuLayoutWeight, hidden: Any, q8: Q8 | None, ids: Any, weights: Any, out: Any) -> None:

@@ -409,35 +409,19 @@ __device__ __forceinline__ void moe_down(const D& down, const int* __restrict__ 
 // matrices' groups in one loop, so each lane has both rows' loads in flight at once. down: the lanes take the
 // (expert, group) pairs of all the token's experts in turn (k / 32 groups a row, 24 for a 768-wide expert, would
 // leave a quarter of the lanes idle one expert at a time), each weighted as it is summed; a lane's order is fixed.
-// With oq (one token's decode, f a multiple of 32), gate/up also quantizes its output for down, sparing a
-// quantize_q8 launch and the wait for it: the last of the 8 blocks of a 32-row group to finish (done: a counter per
-// group, left at zero again) quantizes the group.
 template <class B>
 __device__ __forceinline__ void moe_gate_up_q(const Planes (&w)[2], const signed char* __restrict__ xq,
                                               const signed char* __restrict__ xq2, const float2* __restrict__ xds,
-                                              const int* __restrict__ ids, int top_k, float* hidden, int f, int k,
-                                              int act, signed char* oq, signed char* oq2, float2* ods, u32* done) {
-    __shared__ bool last;
+                                              const int* __restrict__ ids, int top_k, float* __restrict__ hidden,
+                                              int f, int k, int act) {
     const int slot = blockIdx.y, r = blockIdx.x * 4 + threadIdx.x / 32, e = __ldg(ids + slot);
-    if (r >= f || e < 0) return;  // with oq, every warp of the block or none (e is the block's, f % 32 == 0)
+    if (r >= f || e < 0) return;
     const long g0 = (long)(slot / top_k) * (k / 32);
     float acc[2] = {0.0f, 0.0f};
     row_dots<B, 2, 1>(w, e * f + r, f, k, threadIdx.x & 31, 32, xq + 32 * g0, xq2 + 32 * g0,
                       xds + g0, acc);
     const float g = warp_sum(acc[0]), u = warp_sum(acc[1]);
-    if ((threadIdx.x & 31) == 0) {
-        hidden[(long)slot * f + r] = activate(g, act) * u;
-        if (oq) __threadfence();  // visible to the group's last block before this block's count
-    }
-    if (!oq) return;
-    __syncthreads();
-    const long group = (long)slot * (f / 32) + blockIdx.x / 8;
-    if (threadIdx.x == 0) last = atomicAdd(done + group, 1u) == 7;
-    __syncthreads();
-    if (!last || threadIdx.x >= 32) return;
-    __threadfence();
-    quantize_group(__ldcg(hidden + group * 32 + threadIdx.x), group, oq, oq2, ods);
-    if (threadIdx.x == 0) done[group] = 0;
+    if ((threadIdx.x & 31) == 0) hidden[(long)slot * f + r] = activate(g, act) * u;
 }
 
 template <class B>
@@ -473,11 +457,10 @@ __device__ __forceinline__ void moe_down_q(const Planes& w, const signed char* _
                                                   const u8* q2, const u8* h2, const u8* s2, const u8* d2,      \
                                                   const signed char* xq, const signed char* xq2,               \
                                                   const float2* xds, const int* ids, int top_k, float* hidden, \
-                                                  int f, int k, int act, signed char* oq, signed char* oq2,    \
-                                                  float2* ods, u32* done) {                                    \
+                                                  int f, int k, int act) {                                     \
         grid_dependency_sync();                                                                                \
         const Planes w[2] = {{q, h, s, d}, {q2, h2, s2, d2}};                                                  \
-        moe_gate_up_q<B>(w, xq, xq2, xds, ids, top_k, hidden, f, k, act, oq, oq2, ods, done);                  \
+        moe_gate_up_q<B>(w, xq, xq2, xds, ids, top_k, hidden, f, k, act);                                      \
     }                                                                                                          \
     extern "C" __global__ void moe_down_##name(const u8* q, const u8* h, const u8* s, const u8* d,             \
                                                const signed char* xq, const signed char* xq2, const float2* xds, \
