@@ -204,8 +204,7 @@ extern "C" __global__ void sample_sorted(const float* __restrict__ vals, const i
 // Mixture-of-experts routing of one token by one warp (engine/backend.py moe_route): p = softmax of the router
 // logits in float32, the top_k experts by p (highest first, ties: lower id), their p divided by the picked sum when
 // normalize. p: n_experts floats of shared memory. Taken entries are set to -1 (below any probability); an id stays
-// in range even for NaN logits. The logits are read through L2 (__ldcg): in router_route other blocks of the same
-// kernel wrote them.
+// in range even for NaN logits.
 __device__ void route_token(const float* row, int n_experts, int top_k, int normalize, float* p,
                             float* __restrict__ weights_out, int* __restrict__ ids_out) {
     const int lane = threadIdx.x & 31;
@@ -260,7 +259,8 @@ __device__ __forceinline__ float block_reduce(float v, float* red) {
 // route_token's work by a whole block, in a fixed number of steps rather than top_k rounds of a warp's argmax: p
 // (n_experts floats of shared memory) as there, then each entry's rank in the (p descending, id ascending) order,
 // counted against every other entry, and the entries ranked below top_k write themselves. picked: top_k floats of
-// shared memory, red: 32. A NaN p ranks below every number, so ids stay distinct and in range.
+// shared memory, red: 32. A NaN p ranks below every number, so ids stay distinct and in range. The logits are read
+// through L2 (__ldcg): in router_route other blocks of the same kernel wrote them.
 __device__ void route_block(const float* row, int n_experts, int top_k, int normalize, float* p, float* picked,
                             float* red, float* __restrict__ weights_out, int* __restrict__ ids_out) {
     float m = NEG_INF;
