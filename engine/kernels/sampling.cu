@@ -312,7 +312,8 @@ extern "C" __global__ void moe_route(const float* __restrict__ logits, long stri
 // first n_experts logits (route_block). The weights never depend on the kernel before, so each lane loads its first
 // ROUTER_EARLY groups of 8 weights before grid_dependency_sync (plain loads: see ld16_early), and the wait overlaps
 // them. Session 14's one-launch router, with neither the early loads nor route_block, cost what the product and
-// moe_route cost apart. n_experts + top_k floats of dynamic shared memory.
+// moe_route cost apart; with both, a synthetic Qwen3-30B-A3B's decode step at 4,096 keys fell from 2.9725 to 2.7846
+// ms (H100, bench/results/2026-12-07_s22call3_ab.jsonl). n_experts + top_k floats of dynamic shared memory.
 #define ROUTER_EARLY 8
 template <class W>
 __device__ __forceinline__ void router_route(const typename W::T* w, const float* __restrict__ x, float* logits,
