@@ -325,9 +325,12 @@ class Backend(Protocol):
         out: Array,
         scale: float,
         window: int = 0,
+        qk_norm: tuple[WeightHandle, WeightHandle, float] | None = None,
     ) -> None:
         """Causal grouped-query attention of a chunk of n tokens at positions p = start[0] + i, with the rotary
-        embedding and the KV-cache write (one op, so a backend may fuse them).
+        embedding and the KV-cache write (one op, so a backend may fuse them). qk_norm: (q weights, k weights, eps)
+        of per-head RMS norms that q and k take first (`rms_norm` over each head's head_dim values, as Qwen3's
+        QK-norm), or None; q and k may be left normed or not.
 
         q: (n, n_heads, head_dim) float32; k, v: (n, n_kv_heads, head_dim) float32 (views into the projection
         output, rows strided by its width, are fine). Only the first rope.rot_dim dims of each head rotate. style

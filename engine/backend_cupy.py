@@ -587,7 +587,8 @@ class CupyBackend:
 
     @_op("q", "k", "out")
     def rope_attention(self, q, k, v, rope: RopeTable, style: str, cache: KVCache, layer: int, start, out,
-                       scale: float, window: int = 0) -> None:
+                       scale: float, window: int = 0,
+                       qk_norm: tuple[K.GpuWeight, K.GpuWeight, float] | None = None) -> None:
         if style not in (ROPE_NORMAL, ROPE_NEOX):
             raise EngineError(f"Unknown rotary style {style!r}.")
         kc, vc, neox = cache.k[layer], cache.v[layer], style == ROPE_NEOX
@@ -595,6 +596,14 @@ class CupyBackend:
         n, n_heads, hd = q.shape
         n_kv, max_tokens = kc.shape[0], kc.shape[1]
         form = K.decode_attention_form(n_heads, n_kv, max_tokens, self._deep_decode, cache.kind) if n == 1 else None
+        norms = None  # the QK-norm, for the decode kernels that take it in (two launches fewer)
+        if qk_norm is not None:
+            q_norm, k_norm, eps = qk_norm
+            if form in ("deep", "cluster"):
+                norms = (q_norm.data, k_norm.data, eps)
+            else:
+                self.rms_norm(q, q_norm, eps, q)
+                self.rms_norm(k, k_norm, eps, k)
         if form in ("deep", "split"):  # blocks of a KV head's whole group and a split of its keys, then merged
             deep = form == "deep"
             splits = (K.deep_decode_splits(max_tokens, n_kv, hd, kv=cache.kind) if deep
@@ -603,11 +612,11 @@ class CupyBackend:
             done = self._decode_buffer("attn_split_done", 2 * n_kv, cupy.uint32, zeroed=True)
             (K.attention_decode_deep if deep else K.attention_decode_split)(
                 q, k, v, rope.cos, rope.sin, neox, kc, vc, start, out, scale, window, part, done,
-                self._quantize_output(out), splits, scales=scales)
+                self._quantize_output(out), splits, scales=scales, **({"qk_norm": norms} if deep else {}))
             return
         if form == "cluster":  # one kernel, the splits merged inside each head's cluster
             K.attention_decode(q, k, v, rope.cos, rope.sin, neox, kc, vc, start, out, scale, window,
-                               self._quantize_output(out), scales)
+                               self._quantize_output(out), scales, norms)
             return
         K.rope_store_kv(q, k, v, rope.cos, rope.sin, neox, kc, vc, start, scales)
         if n > 1 and K.flash_attention_capable(n_heads, n_kv):  # a prompt chunk on tensor cores

@@ -138,7 +138,11 @@ class NumpyBackend:
         experts.moe_ffn(x, gate_exps, up_exps, down_exps, ids, weights, out, activation)  # scratch: the GPU's space
 
     def rope_attention(self, q, k, v, rope: RopeTable, style: str, cache: KVCache, layer: int, start, out,
-                       scale: float, window: int = 0) -> None:
+                       scale: float, window: int = 0, qk_norm: tuple[CpuWeight, CpuWeight, float] | None = None) -> None:
+        if qk_norm is not None:
+            q_norm, k_norm, eps = qk_norm
+            self.rms_norm(q, q_norm, eps, q)
+            self.rms_norm(k, k_norm, eps, k)
         kc, vc, p = cache.k[layer], cache.v[layer], int(start[0])
         ks, vs = (None, None) if cache.k_scale is None else (cache.k_scale[layer], cache.v_scale[layer])
         if q.shape[0] == 1:

@@ -450,13 +450,42 @@ def test_attention_decode_deep_tile_shapes(tiles, heads, kv):
     check_decode(launch, 1900, 0, 128, True, 128, heads, kv, tol=2e-3)
 
 
-def check_decode(launch, start, window, hd, neox, rot, heads, kv, tol=1e-5):
+@pytest.mark.parametrize("form", ["cluster", "deep"])
+@pytest.mark.parametrize("start,window,hd,neox,rot", DECODE_CASES)
+def test_attention_decode_takes_the_qk_norm_in(form, start, window, hd, neox, rot):
+    """The decode kernels that apply Qwen3's per-head q and k RMS norms themselves (Backend.rope_attention's
+    qk_norm), against the reference's norms then rope and attention; GQA groups of 4 and 16 for the deep form."""
+    if form == "cluster":
+        if not K.cluster_decode_attention():
+            pytest.skip("attention_decode needs sm_90 or newer")
+        check_decode(K.attention_decode, start, window, hd, neox, rot, 8, 2, qk_norm=True)
+        return
+    if not K.mma_capable():
+        pytest.skip("attention_decode_deep needs sm_80 or newer")
+    for heads, kv in ((8, 2), (32, 2)):
+        done = K.counters(2 * kv)
+
+        def launch(*args, q8=None, qk_norm=None):
+            n = K.deep_decode_splits(2048, kv, hd)
+            part = cp.empty(heads * n * (hd + 2), cp.float32)
+            K.attention_decode_deep(*args, part, done, q8, splits=n, qk_norm=qk_norm)
+
+        check_decode(launch, start, window, hd, neox, rot, heads, kv, tol=2e-3, qk_norm=True)
+
+
+def check_decode(launch, start, window, hd, neox, rot, heads, kv, tol=1e-5, qk_norm=False):
     """launch(q, k, v, cos, sin, neox, k_cache, v_cache, start, out, scale, window, q8=None) against the
     reference's rope_store_kv then attention (keys and values rounded to the cache's fp16 as the kernel uses them),
-    within relative error tol."""
+    within relative error tol. qk_norm: q and k of unlike scales per head take random per-head RMS norms first
+    (the reference's rms_norm; the launch gets qk_norm=(q weights, k weights, eps))."""
     rng = np.random.default_rng()
     max_tokens = 2048
     qkv = rng.standard_normal((1, (heads + 2 * kv) * hd + 16)).astype(np.float32)
+    norms = {}
+    if qk_norm:
+        qkv[:, : (heads + kv) * hd] *= np.repeat(rng.uniform(0.1, 8.0, heads + kv), hd).astype(np.float32)
+        weights = rng.uniform(0.5, 1.5, (2, hd)).astype(np.float32)
+        norms = {"qk_norm": (cp.asarray(weights[0]), cp.asarray(weights[1]), 1e-6)}
     inv_freq = (1.0 / 10000 ** (np.arange(0, rot, 2) / rot)).astype(np.float32)
     cos, sin = reference.rope_tables(inv_freq, max_tokens)
     kc = rng.standard_normal((kv, max_tokens, hd)).astype(np.float16)
@@ -467,6 +496,9 @@ def check_decode(launch, start, window, hd, neox, rot, heads, kv, tol=1e-5):
                 buf[:, (heads + kv) * hd : (heads + 2 * kv) * hd].reshape(1, kv, hd))
 
     q, k, v = split(qkv.copy())
+    if qk_norm:
+        reference.rms_norm(q, weights[0], 1e-6, q)
+        reference.rms_norm(k, weights[1], 1e-6, k)
     kc_ref, vc_ref = kc.astype(np.float32), vc.astype(np.float32)
     reference.rope_store_kv(q, k, v, cos, sin, "neox" if neox else "normal", kc_ref, vc_ref, start)
     kc_ref, vc_ref = (c.astype(np.float16).astype(np.float32) for c in (kc_ref, vc_ref))
@@ -478,7 +510,7 @@ def check_decode(launch, start, window, hd, neox, rot, heads, kv, tol=1e-5):
     args = (*split(cp.asarray(qkv)), cp.asarray(cos), cp.asarray(sin), neox, kc_dev, vc_dev,
             cp.asarray([start], cp.int32))
     out = poisoned((1, heads * hd))
-    launch(*args, out, scale, window)
+    launch(*args, out, scale, window, **norms)
     assert rel(out.get(), expect) < tol
     assert rel(kc_dev.get()[:, start], kc_ref[:, start]) < 1e-3
     assert np.array_equal(vc_dev.get()[:, start], vc_ref[:, start].astype(np.float16))
@@ -487,7 +519,7 @@ def check_decode(launch, start, window, hd, neox, rot, heads, kv, tol=1e-5):
     assert np.array_equal(vc_dev.get()[:, others], vc[:, others])
     q8 = K.Q8.empty(heads * hd)
     out[...] = np.nan
-    launch(*args, out, scale, window, q8=q8)  # again (as a graph replays): the same result
+    launch(*args, out, scale, window, q8=q8, **norms)  # again (as a graph replays): the same result
     assert rel(out.get(), expect) < tol
     assert_q8_of(q8, out.get())
 

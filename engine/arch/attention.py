@@ -74,10 +74,6 @@ class Attention:
         kv, index = cache.layer(layer)
         b: AttentionBuffers = chunk.parts[ATTENTION]
         self.qkv.run(backend, chunk.h, b.qkv)
-        if self.qk_norm is not None:
-            q_norm, k_norm = self.qk_norm
-            backend.rms_norm(b.q, q_norm, c.rms_eps, b.q)
-            backend.rms_norm(b.k, k_norm, c.rms_eps, b.k)
         backend.rope_attention(b.q, b.k, b.v, self.rope, c.rope_style, kv, index, chunk.start, b.out, c.attn_scale,
-                               self.window)
+                               self.window, (*self.qk_norm, c.rms_eps) if self.qk_norm is not None else None)
         backend.linear(b.out, self.out, chunk.delta)

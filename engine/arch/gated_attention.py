@@ -66,8 +66,7 @@ class GatedAttention:
         gate = b.proj[:, bounds[1] : bounds[2]]
         k = b.proj[:, bounds[2] : bounds[3]].reshape(n, c.n_kv_heads, c.head_dim)
         v = b.proj[:, bounds[3] :].reshape(n, c.n_kv_heads, c.head_dim)
-        backend.rms_norm(q, self.q_norm, c.rms_eps, q)
-        backend.rms_norm(k, self.k_norm, c.rms_eps, k)
-        backend.rope_attention(q, k, v, self.rope, c.rope_style, cache.kv, self.slot, chunk.start, b.out, c.attn_scale)
+        backend.rope_attention(q, k, v, self.rope, c.rope_style, cache.kv, self.slot, chunk.start, b.out, c.attn_scale,
+                               qk_norm=(self.q_norm, self.k_norm, c.rms_eps))
         backend.sigmoid_gate(b.out, gate, b.out)
         backend.linear(b.out, self.out, chunk.delta)

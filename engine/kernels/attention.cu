@@ -320,12 +320,15 @@ __device__ __forceinline__ void warp_attend(const float* qs, const Rows& keys, c
 // This decode step's own token, for attention_decode, which fuses the rotary embedding and the cache write: its k
 // and v as the QKV projection left them (k not yet rotated), the rotary table rows of its position (rope.cu's
 // rot and style), and where this block stores them in the cache (null in all but one q head of each KV group):
-// the rows, and for a q8_0 cache their scales.
+// the rows, and for a q8_0 cache their scales. q_norm, k_norm: the per-head RMS norms' weights (QK-norm, eps
+// norm_eps) that q and k take before rotating, fused here too; null for models without them.
 struct NewToken {
     const float *k, *v, *cos, *sin;
     int rot, neox;
     void *k_store, *v_store;
     u16 *k_scale_store, *v_scale_store;
+    const float *q_norm, *k_norm;
+    float norm_eps;
 };
 
 // The step's own key (rotated) and value as the cache holds them: fp16 pairs, word c of a lane being dims
@@ -338,11 +341,12 @@ struct NewKV {
 
     __device__ void load(const NewToken& nt) {
         const int lane = threadIdx.x & 31;
+        const float inv = nt.k_norm != nullptr ? head_inv_rms<HD>(nt.k, nt.norm_eps) : 1.0f;
 #pragma unroll
         for (int c = 0; c < HD / 64; ++c) {
             const int d = 64 * c + 2 * lane;
-            const float k0 = rotated(nt.k, d, nt.rot, nt.neox, nt.cos, nt.sin);
-            const float k1 = rotated(nt.k, d + 1, nt.rot, nt.neox, nt.cos, nt.sin);
+            const float k0 = rotated(nt.k, d, nt.rot, nt.neox, nt.cos, nt.sin, nt.k_norm) * inv;
+            const float k1 = rotated(nt.k, d + 1, nt.rot, nt.neox, nt.cos, nt.sin, nt.k_norm) * inv;
             if constexpr (Q8) {  // a group of 32 dims is 16 lanes' pairs
                 kq[c] = q8_round_pair(k0, k1, 16);
                 vq[c] = q8_round_pair(nt.v[d], nt.v[d + 1], 16);
@@ -377,21 +381,26 @@ struct NewKV {
     // Where KV head kvh's row at pos is stored (k_new, v_new: the step's projections of every KV head).
     __device__ static NewToken token(const float* k_new, const float* v_new, int kvh, int pos, const float* cos_p,
                                      const float* sin_p, int rot, int neox, void* k_cache, void* v_cache,
-                                     u16* k_scale, u16* v_scale, int max_tokens, bool store) {
+                                     u16* k_scale, u16* v_scale, int max_tokens, bool store,
+                                     const float* q_norm = nullptr, const float* k_norm = nullptr,
+                                     float norm_eps = 0.0f) {
         const long row = (long)kvh * max_tokens + cache_row(pos, max_tokens);
         constexpr int ROW_BYTES = CacheRows<HD, Q8>::ROW_BYTES;
         return {k_new + (long)kvh * HD, v_new + (long)kvh * HD, cos_p, sin_p, rot, neox,
                 store ? static_cast<char*>(k_cache) + row * ROW_BYTES : nullptr,
                 store ? static_cast<char*>(v_cache) + row * ROW_BYTES : nullptr,
-                store && Q8 ? k_scale + row * (HD / 32) : nullptr, store && Q8 ? v_scale + row * (HD / 32) : nullptr};
+                store && Q8 ? k_scale + row * (HD / 32) : nullptr, store && Q8 ? v_scale + row * (HD / 32) : nullptr,
+                q_norm, k_norm, norm_eps};
     }
 
-    // The split kernels' own token: KV head kvh's key (rotated) and value of the step at pos, stored in the cache.
+    // The split kernels' own token: KV head kvh's key (normed where k_norm, rotated) and value of the step at pos,
+    // stored in the cache.
     __device__ static NewKV store_own(const float* k_new, const float* v_new, int kvh, int pos, const float* cos_p,
                                       const float* sin_p, int rot, int neox, void* k_cache, void* v_cache,
-                                      u16* k_scale, u16* v_scale, int max_tokens) {
+                                      u16* k_scale, u16* v_scale, int max_tokens, const float* k_norm = nullptr,
+                                      float norm_eps = 0.0f) {
         const NewToken nt = token(k_new, v_new, kvh, pos, cos_p, sin_p, rot, neox, k_cache, v_cache, k_scale,
-                                  v_scale, max_tokens, true);
+                                  v_scale, max_tokens, true, nullptr, k_norm, norm_eps);
         NewKV nkv;
         nkv.load(nt);
         nkv.store(nt);
@@ -456,11 +465,12 @@ __device__ __forceinline__ void attend_split(const float* __restrict__ q, long q
     // Every load (q, and the step's own key and value) before any store, so they make one trip to L2 together:
     // the compiler cannot move a load past the cache store, which might alias it.
     const float* qr = q + qi * q_stride + (long)head * HD;
+    const float q_scale = DECODE && nt.q_norm != nullptr ? head_inv_rms<HD>(qr, nt.norm_eps) * scale_log2 : scale_log2;
     float qv[HD / 32];
 #pragma unroll
     for (int i = 0; i < HD / 32; ++i) {
         const int d = lane + 32 * i;
-        qv[i] = (DECODE ? rotated(qr, d, nt.rot, nt.neox, nt.cos, nt.sin) : qr[d]) * scale_log2;
+        qv[i] = (DECODE ? rotated(qr, d, nt.rot, nt.neox, nt.cos, nt.sin, nt.q_norm) : qr[d]) * q_scale;
     }
     const bool own = DECODE && lo <= pos && pos < hi;  // the split holding the step's own token
     NewKV<HD, Q8> nkv;
@@ -757,7 +767,8 @@ __device__ __forceinline__ void attention_decode_deep_impl(
     const float* __restrict__ q, const float* k_new, const float* v_new, const float* cos_t, const float* sin_t,
     int rot, int neox, void* k_cache, void* v_cache, u16* k_scale, u16* v_scale, int max_tokens, int n_heads,
     int n_kv, const int* start, int window, float scale_log2, int kvh, int split, int n_splits, float* part,
-    u32* done, float* out, signed char* xq, signed char* xq2, float2* xds) {
+    u32* done, float* out, signed char* xq, signed char* xq2, float2* xds, const float* q_norm, const float* k_norm,
+    float norm_eps) {
     using Smem = DeepTiles<D, KT, STAGES, Q8>;
     constexpr int ROW = D + 8, TILE = Smem::TILE, DK = D / 16, DN = D / 8, KN = KT / 8, UNIT = DEEP_WARPS * KT;
     static_assert(DEEP_WARPS == 4, "store_block_partial merges 4 warps");
@@ -765,6 +776,7 @@ __device__ __forceinline__ void attention_decode_deep_impl(
     extern __shared__ __align__(16) u8 smem[];  // warp w's from smem + w WARP_BYTES
     __shared__ __align__(16) float qs[16][D];
     __shared__ float wm[DEEP_WARPS][16], wl[DEEP_WARPS][16], own_s[16], own_v[D];
+    __shared__ float q_squares[16][D / 32];  // with q_norm: each warp's sum of squares of a query head's 32 dims
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int group = n_heads / n_kv, pos = start[0];
     const int first = window > 0 ? max(0, pos - window + 1) : 0;
@@ -799,11 +811,41 @@ __device__ __forceinline__ void attention_decode_deep_impl(
 
     const float* cos_p = cos_t + (long)pos * (rot / 2);
     const float* sin_p = sin_t + (long)pos * (rot / 2);
-    // A fixed count a thread, unrolled, so its loads are in flight together (not an L2 round trip a value).
+    // The queries in three passes: every thread's values loaded at once (one trip to L2, not one a value), times
+    // the QK-norm's weights, into qs, with each warp's sum of squares of its 32 dims of a head (h and d / 32 are
+    // warp-uniform); then each value rotated from qs (its pair may be another thread's) and scaled by its head's
+    // 1 / rms, and written back.
+    constexpr int QR = 16 * D / (32 * DEEP_WARPS);  // a thread's values: i = threadIdx.x + 32 DEEP_WARPS r
+    float x[QR];
 #pragma unroll
-    for (int r = 0; r < 16 * D / (32 * DEEP_WARPS); ++r) {
+    for (int r = 0; r < QR; ++r) {
         const int i = threadIdx.x + r * 32 * DEEP_WARPS, h = i / D, d = i % D;
-        qs[h][d] = h < group ? rotated(q + (long)(kvh * group + h) * D, d, rot, neox, cos_p, sin_p) * scale_log2 : 0.0f;
+        x[r] = h < group ? q[(long)(kvh * group + h) * D + d] : 0.0f;
+    }
+#pragma unroll
+    for (int r = 0; r < QR; ++r) {
+        const int i = threadIdx.x + r * 32 * DEEP_WARPS, h = i / D, d = i % D;
+        qs[h][d] = q_norm != nullptr ? x[r] * q_norm[d] : x[r];
+        if (q_norm != nullptr) {
+            const float squares = warp_sum(x[r] * x[r]);
+            if (lane == 0) q_squares[h][d / 32] = squares;
+        }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < QR; ++r) {
+        const int i = threadIdx.x + r * 32 * DEEP_WARPS, h = i / D, d = i % D;
+        float squares = 0.0f;
+#pragma unroll
+        for (int j = 0; j < D / 32; ++j) squares += q_squares[h][j];
+        const float inv = q_norm != nullptr ? rsqrtf(squares / D + norm_eps) : 1.0f;
+        x[r] = rotated(qs[h], d, rot, neox, cos_p, sin_p) * inv * scale_log2;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < QR; ++r) {
+        const int i = threadIdx.x + r * 32 * DEEP_WARPS;
+        qs[i / D][i % D] = x[r];
     }
     __syncthreads();
     u32 qa[DK][4];  // A fragments: a0 / a1 rows g / g + 8 at dims 16 kk + 2 t, a2 / a3 the same 8 dims on
@@ -821,7 +863,7 @@ __device__ __forceinline__ void attention_decode_deep_impl(
     const bool own = hi == pos + 1;
     if (own && warp == 0) {
         const NewKV<D, Q8> nkv = NewKV<D, Q8>::store_own(k_new, v_new, kvh, pos, cos_p, sin_p, rot, neox, k_cache,
-                                                        v_cache, k_scale, v_scale, max_tokens);
+                                                        v_cache, k_scale, v_scale, max_tokens, k_norm, norm_eps);
         for (int h = 0; h < group; ++h) {
             float dot = 0.0f;
 #pragma unroll
@@ -911,11 +953,13 @@ __device__ __forceinline__ void attention_decode_deep_impl(
         const float* q, const float* k_new, const float* v_new, const float* cos_t, const float* sin_t, int rot, \
         int neox, void* k_cache, void* v_cache, u16* k_scale, u16* v_scale, int max_tokens, int n_heads,       \
         int n_kv, const int* start, int window, float scale_log2, float* part, u32* done, float* out,          \
-        signed char* xq, signed char* xq2, float2* xds) {                                                      \
+        signed char* xq, signed char* xq2, float2* xds, const float* q_norm, const float* k_norm,             \
+        float norm_eps) {                                                                                      \
         attention_decode_deep_impl<D, KT, STAGES, Q8, PHASES>(q, k_new, v_new, cos_t, sin_t, rot, neox, k_cache,\
                                                       v_cache, k_scale, v_scale, max_tokens, n_heads, n_kv,     \
                                                       start, window, scale_log2, blockIdx.y, blockIdx.x,        \
-                                                      gridDim.x, part, done, out, xq, xq2, xds);                \
+                                                      gridDim.x, part, done, out, xq, xq2, xds, q_norm, k_norm, \
+                                                      norm_eps);                                                \
     }
 ATTENTION_DECODE_DEEP(64, 64, 2, false, attention_decode_deep_64)
 ATTENTION_DECODE_DEEP(128, 32, 2, false, attention_decode_deep_128)
@@ -928,6 +972,7 @@ ATTENTION_DECODE_DEEP(256, 16, 2, true, attention_decode_deep_256_q8)
 ATTENTION_DECODE_DEEP(128, 16, 2, false, attention_decode_deep_128_kt16_s2)
 ATTENTION_DECODE_DEEP(128, 16, 3, false, attention_decode_deep_128_kt16_s3)
 ATTENTION_DECODE_DEEP(128, 16, 4, false, attention_decode_deep_128_kt16_s4)
+ATTENTION_DECODE_DEEP(128, 16, 6, false, attention_decode_deep_128_kt16_s6)
 ATTENTION_DECODE_DEEP(128, 32, 3, false, attention_decode_deep_128_kt32_s3)
 ATTENTION_DECODE_DEEP_P(128, 32, 2, false, true, attention_decode_deep_128_phases)  // deep_phases' timeline
 #endif
@@ -957,7 +1002,8 @@ __device__ __forceinline__ void attention_decode_impl(const float* q, const floa
                                                       void* k_cache, void* v_cache, u16* k_scale, u16* v_scale,
                                                       int max_tokens, int n_heads,
                                                       int n_kv, const int* start, int window, float scale_log2,
-                                                      float* out, signed char* xq, signed char* xq2, float2* xds) {
+                                                      float* out, signed char* xq, signed char* xq2, float2* xds,
+                                                      const float* q_norm, const float* k_norm, float norm_eps) {
     constexpr int N_SPLITS = 4 * ATTN_CLUSTER;
     static_assert(HD / 32 <= ATTN_CLUSTER, "one block merges each 32 dims");
     // In block r: split s's output on dims 32 r + i, its max and its sum (the merge's inputs, pushed by every warp).
@@ -970,7 +1016,7 @@ __device__ __forceinline__ void attention_decode_impl(const float* q, const floa
     const int group = n_heads / n_kv, kvh = head / group, pos = start[0];
     const NewToken nt = NewKV<HD, Q8>::token(k_new, v_new, kvh, pos, cos_t + (long)pos * (rot / 2),
                                              sin_t + (long)pos * (rot / 2), rot, neox, k_cache, v_cache, k_scale,
-                                             v_scale, max_tokens, head % group == 0);
+                                             v_scale, max_tokens, head % group == 0, q_norm, k_norm, norm_eps);
     u32 rank;
     asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
     const int split = 4 * rank + warp;
@@ -1000,10 +1046,10 @@ __device__ __forceinline__ void attention_decode_impl(const float* q, const floa
         const float* q, const float* k_new, const float* v_new, const float* cos_t, const float* sin_t, int rot, \
         int neox, void* k_cache, void* v_cache, u16* k_scale, u16* v_scale, int max_tokens, int n_heads,       \
         int n_kv, const int* start, int window, float scale_log2, float* out, signed char* xq, signed char* xq2, \
-        float2* xds) {                                                                                         \
+        float2* xds, const float* q_norm, const float* k_norm, float norm_eps) {                               \
         attention_decode_impl<HD, Q8>(q, k_new, v_new, cos_t, sin_t, rot, neox, k_cache, v_cache, k_scale,      \
                                       v_scale, max_tokens, n_heads, n_kv, start, window, scale_log2, out, xq,   \
-                                      xq2, xds);                                                               \
+                                      xq2, xds, q_norm, k_norm, norm_eps);                                     \
     }
 #define ATTENTION_DECODE_KV(HD) ATTENTION_DECODE(HD, false, ) ATTENTION_DECODE(HD, true, _q8)
 ATTENTION_DECODE_KV(64)

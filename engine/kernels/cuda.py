@@ -599,18 +599,27 @@ def cluster_decode_attention() -> bool:
     return _capability() >= N.PER_HEAD_DIM["attention_decode"][1]
 
 
+def _qk_norm_args(qk_norm: tuple[Any, Any, float] | None) -> tuple[Any, Any, Any]:
+    if qk_norm is None:
+        return np.uintp(0), np.uintp(0), f32(0.0)
+    q_norm, k_norm, eps = qk_norm
+    return q_norm, k_norm, f32(eps)
+
+
 def attention_decode(q, k, v, cos, sin, neox: bool, k_cache, v_cache, start, out, scale: float, window: int,
-                     q8: Q8 | None = None, scales=None) -> None:
+                     q8: Q8 | None = None, scales=None, qk_norm: tuple[Any, Any, float] | None = None) -> None:
     """One token's rope_store_kv and attention in one kernel with no scratch: q (1, H, hd), k, v (1, KV, hd)
     strided views, as the QKV projection left them (neither is rotated in place); out (1, H*hd). Each head's
     ATTN_Z_SPLITS blocks are one cluster (attention.cu ATTN_CLUSTER), which merges their 32 splits, and with q8
-    also quantizes the output for the output projection. Needs cluster_decode_attention()."""
+    also quantizes the output for the output projection. qk_norm: (q weights (hd,), k weights (hd,), eps), the
+    per-head RMS norms q and k take first, or None. Needs cluster_decode_attention()."""
     _, n_heads, hd = q.shape
     n_kv, max_tokens = k_cache.shape[0], k_cache.shape[1]
     kv, cache = _cache(k_cache, v_cache, scales)
     launch("attention", N.per_head_dim("attention_decode", hd, kv), (n_heads, 1, ATTN_Z_SPLITS), (128,),
            (q, k, v, cos, sin, i32(2 * cos.shape[1]), i32(1 if neox else 0), *cache, i32(max_tokens),
-            i32(n_heads), i32(n_kv), start, i32(window), f32(scale * LOG2_E), out, *q8_args(q8)))
+            i32(n_heads), i32(n_kv), start, i32(window), f32(scale * LOG2_E), out, *q8_args(q8),
+            *_qk_norm_args(qk_norm)))
 
 
 SPLIT_MIN_KEYS, MAX_SPLITS = 128, 64  # attention.cu: fewest keys a decode split takes, most splits a merge reads
@@ -712,12 +721,14 @@ def deep_decode_splits(max_tokens: int, n_kv: int, hd: int, tiles: tuple[int, in
 
 def attention_decode_deep(q, k, v, cos, sin, neox: bool, k_cache, v_cache, start, out, scale: float, window: int,
                           part, done, q8: Q8 | None = None, splits: int | None = None,
-                          tiles: tuple[int, int] | None = None, scales=None, phased: bool = False) -> None:
+                          tiles: tuple[int, int] | None = None, scales=None, phased: bool = False,
+                          qk_norm: tuple[Any, Any, float] | None = None) -> None:
     """attention_decode_split's work on tensor cores with each warp's keys and values streamed through shared
     memory (sm_80+, GQA groups of at most 16): part, float32 scratch of H*splits*(hd+2); done = counters(2 KV).
     splits: deep_decode_splits by default, at most MAX_SPLITS and one wave of blocks (a KV head's blocks wait for
     each other before they merge); tiles: (keys a warp's tile, stages), kernel_names.DEEP_TILES' by default (others
-    for bench sweeps); phased: kernel_names.DEEP_PHASED, which records its timeline (bench)."""
+    for bench sweeps); phased: kernel_names.DEEP_PHASED, which records its timeline (bench); qk_norm: as
+    attention_decode's."""
     _, n_heads, hd = q.shape
     n_kv, max_tokens = k_cache.shape[0], k_cache.shape[1]
     tiles = tiles or N.DEEP_TILES[hd]
@@ -729,7 +740,8 @@ def attention_decode_deep(q, k, v, cos, sin, neox: bool, k_cache, v_cache, start
                          f"({wave} on this GPU), not {splits} splits of {n_kv} KV heads")
     launch("attention", name, (splits, n_kv), (32 * DEEP_WARPS,),
            (q, k, v, cos, sin, i32(2 * cos.shape[1]), i32(1 if neox else 0), *cache, i32(max_tokens),
-            i32(n_heads), i32(n_kv), start, i32(window), f32(scale * LOG2_E), part, done, out, *q8_args(q8)),
+            i32(n_heads), i32(n_kv), start, i32(window), f32(scale * LOG2_E), part, done, out, *q8_args(q8),
+            *_qk_norm_args(qk_norm)),
            shared_mem=shared)
 
 

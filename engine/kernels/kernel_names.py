@@ -56,7 +56,7 @@ PER_HEAD_DIM = {"attention_partial": ("attention", 75), "attention_decode": ("at
 # attention_decode_deep's (keys a warp's tile, pipeline stages) per head size, and the others only
 # bench/bench_attention.py launches (attention.cu, #ifdef SWEEP_KERNELS).
 DEEP_TILES = {64: (64, 2), 128: (32, 2), 256: (16, 2)}
-DEEP_SWEEP = {128: ((16, 2), (16, 3), (16, 4), (32, 3))}
+DEEP_SWEEP = {128: ((16, 2), (16, 3), (16, 4), (16, 6), (32, 3))}
 DEEP_PHASED = "attention_decode_deep_128_phases"  # DEEP_TILES[128]'s kernel recording its timeline (deep_phases)
 # The gated delta rule (hybrid.cu) is built per key head size, which sets the registers its state takes.
 DELTA_KEY_DIMS = (16, 32, 64, 128)

@@ -545,13 +545,26 @@ __device__ __forceinline__ float activate(float g, int act) { return act == 0 ? 
 
 // Dim d of a head x after the rotary embedding with angle row (c, s) of its position (half = rot / 2 angles).
 // style 0 ("normal", llama GGUF): pair j is dims (2j, 2j+1); style 1 ("neox"): dims (j, j + rot/2); a pair (a, b)
-// becomes (a cos - b sin, a sin + b cos). Dims at and past rot pass through unchanged.
-__device__ __forceinline__ float rotated(const float* x, int d, int rot, int neox, const float* c, const float* s) {
-    if (d >= rot) return x[d];
+// becomes (a cos - b sin, a sin + b cos). Dims at and past rot pass through unchanged. With w, of x * w (a per-head
+// RMS norm's weights; its 1 / rms, one factor for the whole head, is the caller's to apply).
+__device__ __forceinline__ float rotated(const float* x, int d, int rot, int neox, const float* c, const float* s,
+                                         const float* w = nullptr) {
+    auto at = [&](int i) { return w != nullptr ? x[i] * w[i] : x[i]; };
+    if (d >= rot) return at(d);
     const int half = rot / 2;
     const int j = neox ? d % half : d / 2;
-    const float a = x[neox ? j : 2 * j], b = x[neox ? j + half : 2 * j + 1];
+    const float a = at(neox ? j : 2 * j), b = at(neox ? j + half : 2 * j + 1);
     return (neox ? d < half : (d & 1) == 0) ? a * c[j] - b * s[j] : a * s[j] + b * c[j];
+}
+
+// 1 / rms of a head of HD values (x + 32 i + lane, i < HD / 32, in every lane of a warp) for an RMS norm with eps, as
+// norms.cu's rms_norm divides by it.
+template <int HD>
+__device__ __forceinline__ float head_inv_rms(const float* x, float eps) {
+    float ss = 0.0f;
+#pragma unroll
+    for (int i = 0; i < HD / 32; ++i) ss = fmaf(x[32 * i + (threadIdx.x & 31)], x[32 * i + (threadIdx.x & 31)], ss);
+    return rsqrtf(warp_sum(ss) / HD + eps);
 }
 
 // Two-level int8 quantization of a group of 32 activations with largest magnitude amax:
