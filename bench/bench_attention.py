@@ -11,7 +11,7 @@ with each kernel's largest output difference to the first kernel's (attention_de
 --kv-cache q8_0 times the kernels' q8_0 forms on a cache of random quants and scales (deep decode: its default
 tiles only). --layers N gives the decode kernels N caches, one launch after another each reading the next, as a
 model's layers do: with N caches larger than L2 every launch reads its keys from memory, not from L2. --phases
-(head size 128) adds, per depth, the timeline of the deep kernel's blocks (kernel_names.DEEP_PHASED) in the last
+(head size 128) adds, per depth, the timeline of the deep kernel's blocks (kernel_names.DEEP_FORMS['phases']) in the last
 launch of a replayed graph: for each phase (0 entry, 1 after grid_dependency_sync, 2 queries loaded, 3 keys done, 4
 own token and the warps' merge, 5 partial result stored, 6 done, the KV head's last block having merged the
 splits), microseconds from the first block's entry by the global timer (median and latest block), and each phase's
@@ -158,7 +158,7 @@ def main() -> None:
     if args.phases and K.mma_capable() and hd == 128 and scales is None:
         splits = K.deep_decode_splits(max_tokens, kv, hd)
         phased = per_cache(K.attention_decode_deep, q1, k1, v1, cos, sin, True,
-                           after=(deep_parts[splits], done, q8, splits), phased=True)
+                           after=(deep_parts[splits], done, q8, splits), form="phases")
     for depth in sorted(d for d in set(depths + [511, 1023, 2047, 4095, 6143, 8191, max_tokens - 1]) if d < max_tokens):
         start.fill(depth)
         kv_bytes = 2 * kv * (depth + 1) * row_bytes
@@ -173,7 +173,7 @@ def main() -> None:
                               "kv_tb_per_s": round(kv_bytes / us / 1e6, 3), **diff, **extra.get(name, {})}),
                   flush=True)
         if phased:
-            print(json.dumps({**shape, "kernel": N.DEEP_PHASED, "depth": depth, "layers": args.layers,
+            print(json.dumps({**shape, "kernel": N.DEEP_FORMS["phases"], "depth": depth, "layers": args.layers,
                               **timeline(phased, args.reps)}), flush=True)
 
 
@@ -184,7 +184,7 @@ def cycling(launches: list):
 
 
 def deep_record():
-    """The phased deep kernel's record (kernel_names.DEEP_PHASED, attention.cu deep_phases), zeroed before any
+    """The phased deep kernel's record (kernel_names.DEEP_FORMS['phases'], attention.cu deep_phases), zeroed before any
     stream's next launch: per block (a KV head's MAX_SPLITS rows, 16 KV heads), the global timer then the SM clock
     at each of its 8 phases."""
     record = cupy.ndarray((K.MAX_SPLITS * 16, 2, 8), cupy.uint64,

@@ -7,14 +7,15 @@ first) and in total: launches; microseconds from start to end (with programmatic
 for the kernel before); critical microseconds, the part of the span it alone accounts for (past the end of every
 kernel before it); and microseconds the GPU idled before it. Critical and idle times sum to the span.
 --deep-phases (a step deep enough for attention_decode_deep, heads of 128, fp16 cache) runs the deep kernel's phased
-copy (kernel_names.DEEP_PHASED) in the graph and adds the last layer's attention timeline of one more step, as
+copy (kernel_names.DEEP_FORMS['phases']) in the graph and adds the last layer's attention timeline of one more step, as
 bench_attention.py --phases gives it for the kernel alone ("deep_phases"). --prefill profiles the prompt instead: one
 prefill of --prompt tokens (after an untimed one), its kernels as above over the whole prompt, with its wall time
 (host clock, to the last kernel's end). --carveout P: every kernel prefers P percent
 of its multiprocessor's L1 as shared memory (CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT), so kernels of
 unlike shared memory need not wait for an SM to be reconfigured before they share it. --deep-variants KTxSTAGES[xSPLITS]
 ... then captures the decode graph again with each listed deep kernel (tiles of kernel_names.DEEP_TILES or
-DEEP_SWEEP, heads of 128; SPLITS in place of cuda.deep_decode_splits') and prints a line for each: its step's device
+DEEP_SWEEP, heads of 128; SPLITS in place of cuda.deep_decode_splits'; or a sweep form of kernel_names.DEEP_FORMS,
+e.g. late) and prints a line for each: its step's device
 time and the deep kernel's times a step, on the one loaded model.
 
 Usage: python bench/profile_decode.py MODEL.gguf [--prompt 512] [--reps 20] [--experts-in-ram N] [--top 25]
@@ -78,9 +79,11 @@ def prefill_times(state, prompt: list[int]) -> tuple[dict[str, list[float]], flo
 
 
 def deep_variants(state, variants: list[str], reps: int) -> list[dict]:
-    """The decode step with each deep kernel of `variants` ("KTxSTAGES[xSPLITS]"), captured again in turn: its
+    """The decode step with each deep kernel of `variants` ("KTxSTAGES[xSPLITS]", or a form of
+    kernel_names.DEEP_FORMS), captured again in turn: its
     device time, and per step the deep kernel's launches, microseconds and critical microseconds (critical_path)."""
     from engine.kernels import cuda
+    from engine.kernels import kernel_names as N
 
     launch, splits_of = cuda.attention_decode_deep, cuda.deep_decode_splits
 
@@ -90,9 +93,13 @@ def deep_variants(state, variants: list[str], reps: int) -> list[dict]:
     rows = []
     try:
         for spec in variants:
-            kt, stages, *fixed = (int(v) for v in spec.split("x"))
-            tiles = (kt, stages)
-            cuda.attention_decode_deep = functools.partial(launch, tiles=tiles)
+            if spec in N.DEEP_FORMS:  # the default tiles and splits
+                tiles, fixed = N.DEEP_TILES[128], []
+                cuda.attention_decode_deep = functools.partial(launch, form=spec)
+            else:
+                kt, stages, *fixed = (int(v) for v in spec.split("x"))
+                tiles = (kt, stages)
+                cuda.attention_decode_deep = functools.partial(launch, tiles=tiles)
             cuda.deep_decode_splits = functools.partial(splits_for, tiles=tiles, fixed=fixed[0] if fixed else None)
             state.decode_step = state.backend.compile_step(functools.partial(
                 state.arch.forward, state.config, state.weights, state.workspace, state.backend, state.cache, 1))
@@ -147,7 +154,7 @@ def main() -> None:
     from engine.kernels import cuda
 
     if args.deep_phases:  # the backend looks the launcher up at each capture
-        cuda.attention_decode_deep = functools.partial(cuda.attention_decode_deep, phased=True)
+        cuda.attention_decode_deep = functools.partial(cuda.attention_decode_deep, form="phases")
     if args.carveout is not None:
         fetch = cuda.kernel
 

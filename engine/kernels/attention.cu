@@ -762,7 +762,12 @@ __device__ __forceinline__ void deep_phase(int i) {
 #endif
 }
 
-template <int D, int KT, int STAGES, bool Q8, bool PHASES = false>
+// The deep kernel's forms: the one the backend launches, and sweep-only copies (kernel_names.DEEP_FORMS) that record
+// their timeline (deep_phases), let the next kernel launch only at their end, or fetch no keys before their
+// dependency wait.
+enum DeepForm { DEEP_PLAIN, DEEP_TIMED, DEEP_LATE, DEEP_AFTER };
+
+template <int D, int KT, int STAGES, bool Q8, int FORM = DEEP_PLAIN>
 __device__ __forceinline__ void attention_decode_deep_impl(
     const float* __restrict__ q, const float* k_new, const float* v_new, const float* cos_t, const float* sin_t,
     int rot, int neox, void* k_cache, void* v_cache, u16* k_scale, u16* v_scale, int max_tokens, int n_heads,
@@ -787,7 +792,7 @@ __device__ __forceinline__ void attention_decode_deep_impl(
     const int lo = first + split * per, hi = min(lo + per, pos + 1), cached_hi = min(hi, pos);
     const CacheRows<D, Q8> keys(k_cache, k_scale, kvh, max_tokens), values(v_cache, v_scale, kvh, max_tokens);
     u8* mine = smem + warp * Smem::WARP_BYTES;
-    deep_phase<PHASES>(0);
+    deep_phase<FORM == DEEP_TIMED>(0);
     // The warp's tile i: keys lo + (warp + DEEP_WARPS i) KT .., in buffer i % STAGES. Every call commits a group
     // (empty past the range), so waiting for all but the newest STAGES - 1 groups always means tile i landed.
     auto fetch = [&](int i) {
@@ -804,10 +809,20 @@ __device__ __forceinline__ void attention_decode_deep_impl(
         }
         copies_commit();
     };
+    if constexpr (FORM != DEEP_AFTER) {
 #pragma unroll
-    for (int i = 0; i < STAGES - 1; ++i) fetch(i);
-    grid_dependency_sync();
-    deep_phase<PHASES>(1);
+        for (int i = 0; i < STAGES - 1; ++i) fetch(i);
+    }
+    if constexpr (FORM == DEEP_LATE) {
+        grid_dependency_wait();
+    } else {
+        grid_dependency_sync();
+    }
+    if constexpr (FORM == DEEP_AFTER) {
+#pragma unroll
+        for (int i = 0; i < STAGES - 1; ++i) fetch(i);
+    }
+    deep_phase<FORM == DEEP_TIMED>(1);
 
     const float* cos_p = cos_t + (long)pos * (rot / 2);
     const float* sin_p = sin_t + (long)pos * (rot / 2);
@@ -857,7 +872,7 @@ __device__ __forceinline__ void attention_decode_deep_impl(
             qa[kk][h] = half2_bits(r[0], r[1]);
             qa[kk][2 + h] = half2_bits(r[8], r[9]);
         }
-    deep_phase<PHASES>(2);
+    deep_phase<FORM == DEEP_TIMED>(2);
     // The split holding the step's own token rotates and stores it and scores it here, before its keys: its warp 0
     // then takes the longest, but no other warp waits for it until the end.
     const bool own = hi == pos + 1;
@@ -914,7 +929,7 @@ __device__ __forceinline__ void attention_decode_deep_impl(
         __syncwarp();  // every lane is done with buffer i % STAGES before the next fetch refills it
     }
     copies_wait<0>();  // the empty groups of fetches past the range
-    deep_phase<PHASES>(3);
+    deep_phase<FORM == DEEP_TIMED>(3);
 
     // The warps' results through shared memory (the tiles' space): o[db][2 h + e] is row g + 8 h, dim 8 db + 2 t + e;
     // a row's sum is spread over the 4 lanes of its quad.
@@ -938,43 +953,45 @@ __device__ __forceinline__ void attention_decode_deep_impl(
         }
     }
     __syncthreads();
-    deep_phase<PHASES>(4);
+    deep_phase<FORM == DEEP_TIMED>(4);
     store_block_partial<D>(wacc, &wm[0][0], &wl[0][0], 16, own ? own_s : nullptr, own_v, group,
                            part + ((long)kvh * group * n_splits + split) * (D + 2), n_splits);
-    deep_phase<PHASES>(5);
+    deep_phase<FORM == DEEP_TIMED>(5);
     merge_splits_together<D, DEEP_WARPS>(part, done, kvh, n_kv, group, n_splits, split, active, out, xq, xq2, xds);
-    deep_phase<PHASES>(6);
+    deep_phase<FORM == DEEP_TIMED>(6);
 }
 
 // NAME: kernel_names.deep_decode's; the shared memory the launch asks for: cuda._deep_kernel's.
-#define ATTENTION_DECODE_DEEP(D, KT, STAGES, Q8, NAME) ATTENTION_DECODE_DEEP_P(D, KT, STAGES, Q8, false, NAME)
-#define ATTENTION_DECODE_DEEP_P(D, KT, STAGES, Q8, PHASES, NAME)                                                \
+#define ATTENTION_DECODE_DEEP(D, KT, STAGES, Q8, NAME) ATTENTION_DECODE_DEEP_P(D, KT, STAGES, Q8, DEEP_PLAIN, NAME)
+#define ATTENTION_DECODE_DEEP_P(D, KT, STAGES, Q8, FORM, NAME)                                                \
     extern "C" __global__ void __launch_bounds__(32 * DEEP_WARPS) NAME(                                        \
         const float* q, const float* k_new, const float* v_new, const float* cos_t, const float* sin_t, int rot, \
         int neox, void* k_cache, void* v_cache, u16* k_scale, u16* v_scale, int max_tokens, int n_heads,       \
         int n_kv, const int* start, int window, float scale_log2, float* part, u32* done, float* out,          \
         signed char* xq, signed char* xq2, float2* xds, const float* q_norm, const float* k_norm,             \
         float norm_eps) {                                                                                      \
-        attention_decode_deep_impl<D, KT, STAGES, Q8, PHASES>(q, k_new, v_new, cos_t, sin_t, rot, neox, k_cache,\
+        attention_decode_deep_impl<D, KT, STAGES, Q8, FORM>(q, k_new, v_new, cos_t, sin_t, rot, neox, k_cache,\
                                                       v_cache, k_scale, v_scale, max_tokens, n_heads, n_kv,     \
                                                       start, window, scale_log2, blockIdx.y, blockIdx.x,        \
                                                       gridDim.x, part, done, out, xq, xq2, xds, q_norm, k_norm, \
                                                       norm_eps);                                                \
     }
 ATTENTION_DECODE_DEEP(64, 64, 2, false, attention_decode_deep_64)
-ATTENTION_DECODE_DEEP(128, 32, 2, false, attention_decode_deep_128)
+ATTENTION_DECODE_DEEP(128, 16, 4, false, attention_decode_deep_128)
 ATTENTION_DECODE_DEEP(256, 16, 2, false, attention_decode_deep_256)
 ATTENTION_DECODE_DEEP(64, 64, 2, true, attention_decode_deep_64_q8)
-ATTENTION_DECODE_DEEP(128, 32, 2, true, attention_decode_deep_128_q8)
+ATTENTION_DECODE_DEEP(128, 16, 4, true, attention_decode_deep_128_q8)
 ATTENTION_DECODE_DEEP(256, 16, 2, true, attention_decode_deep_256_q8)
 #ifdef SWEEP_KERNELS
 // Tile sizes and depths of the pipeline only bench/bench_attention.py launches (kernel_names.DEEP_SWEEP).
 ATTENTION_DECODE_DEEP(128, 16, 2, false, attention_decode_deep_128_kt16_s2)
 ATTENTION_DECODE_DEEP(128, 16, 3, false, attention_decode_deep_128_kt16_s3)
-ATTENTION_DECODE_DEEP(128, 16, 4, false, attention_decode_deep_128_kt16_s4)
 ATTENTION_DECODE_DEEP(128, 16, 6, false, attention_decode_deep_128_kt16_s6)
+ATTENTION_DECODE_DEEP(128, 32, 2, false, attention_decode_deep_128_kt32_s2)
 ATTENTION_DECODE_DEEP(128, 32, 3, false, attention_decode_deep_128_kt32_s3)
-ATTENTION_DECODE_DEEP_P(128, 32, 2, false, true, attention_decode_deep_128_phases)  // deep_phases' timeline
+ATTENTION_DECODE_DEEP_P(128, 16, 4, false, DEEP_TIMED, attention_decode_deep_128_phases)
+ATTENTION_DECODE_DEEP_P(128, 16, 4, false, DEEP_LATE, attention_decode_deep_128_late)
+ATTENTION_DECODE_DEEP_P(128, 16, 4, false, DEEP_AFTER, attention_decode_deep_128_after)
 #endif
 
 #if __CUDA_ARCH__ >= 900

@@ -681,12 +681,13 @@ def attention_decode_split(q, k, v, cos, sin, neox: bool, k_cache, v_cache, star
 
 
 @functools.cache
-def _deep_kernel(hd: int, tiles: tuple[int, int], kv: str = "full", phased: bool = False) -> tuple[str, int, int]:
+def _deep_kernel(hd: int, tiles: tuple[int, int], kv: str = "full", form: str | None = None) -> tuple[str, int, int]:
     """(name, dynamic shared bytes, blocks the GPU holds at once) of attention_decode_deep with these tiles (or its
-    phased sweep copy); the kernel is allowed its shared memory (above the default 48 KB) here, once."""
-    if phased and (hd, tiles, kv) != (128, N.DEEP_TILES[128], "full"):
-        raise ValueError("the phased deep kernel is built for heads of 128, the default tiles and an fp16 cache only")
-    name = N.DEEP_PHASED if phased else N.deep_decode(hd, tiles, kv)
+    sweep copy of kernel_names.DEEP_FORMS); the kernel is allowed its shared memory (above the default 48 KB) here, once."""
+    if form is not None and (hd, tiles, kv) != (128, N.DEEP_TILES[128], "full"):
+        raise ValueError("the deep kernel's sweep forms are built for heads of 128, the default tiles and an fp16 "
+                         "cache only")
+    name = N.DEEP_FORMS[form] if form is not None else N.deep_decode(hd, tiles, kv)
     kt, stages = tiles
     tile = kt * (hd + 8) * 2  # keys or values as fp16 rows, padded
     if kv == "full":
@@ -721,19 +722,19 @@ def deep_decode_splits(max_tokens: int, n_kv: int, hd: int, tiles: tuple[int, in
 
 def attention_decode_deep(q, k, v, cos, sin, neox: bool, k_cache, v_cache, start, out, scale: float, window: int,
                           part, done, q8: Q8 | None = None, splits: int | None = None,
-                          tiles: tuple[int, int] | None = None, scales=None, phased: bool = False,
+                          tiles: tuple[int, int] | None = None, scales=None, form: str | None = None,
                           qk_norm: tuple[Any, Any, float] | None = None) -> None:
     """attention_decode_split's work on tensor cores with each warp's keys and values streamed through shared
     memory (sm_80+, GQA groups of at most 16): part, float32 scratch of H*splits*(hd+2); done = counters(2 KV).
     splits: deep_decode_splits by default, at most MAX_SPLITS and one wave of blocks (a KV head's blocks wait for
     each other before they merge); tiles: (keys a warp's tile, stages), kernel_names.DEEP_TILES' by default (others
-    for bench sweeps); phased: kernel_names.DEEP_PHASED, which records its timeline (bench); qk_norm: as
+    for bench sweeps); form: a sweep copy of kernel_names.DEEP_FORMS (bench); qk_norm: as
     attention_decode's."""
     _, n_heads, hd = q.shape
     n_kv, max_tokens = k_cache.shape[0], k_cache.shape[1]
     tiles = tiles or N.DEEP_TILES[hd]
     kv, cache = _cache(k_cache, v_cache, scales)
-    name, shared, wave = _deep_kernel(hd, tiles, kv, phased)
+    name, shared, wave = _deep_kernel(hd, tiles, kv, form)
     splits = splits or deep_decode_splits(max_tokens, n_kv, hd, tiles, kv)
     if splits > MAX_SPLITS or splits * n_kv > wave:
         raise ValueError(f"attention_decode_deep takes at most {MAX_SPLITS} splits and one wave of blocks "

@@ -55,9 +55,11 @@ PER_HEAD_DIM = {"attention_partial": ("attention", 75), "attention_decode": ("at
                 "attention_decode_deep": ("attention", 80), "flash_attention": ("flash_attention", 75)}
 # attention_decode_deep's (keys a warp's tile, pipeline stages) per head size, and the others only
 # bench/bench_attention.py launches (attention.cu, #ifdef SWEEP_KERNELS).
-DEEP_TILES = {64: (64, 2), 128: (32, 2), 256: (16, 2)}
-DEEP_SWEEP = {128: ((16, 2), (16, 3), (16, 4), (16, 6), (32, 3))}
-DEEP_PHASED = "attention_decode_deep_128_phases"  # DEEP_TILES[128]'s kernel recording its timeline (deep_phases)
+DEEP_TILES = {64: (64, 2), 128: (16, 4), 256: (16, 2)}
+DEEP_SWEEP = {128: ((16, 2), (16, 3), (16, 6), (32, 2), (32, 3))}
+# Sweep-only copies of DEEP_TILES[128]'s fp16 kernel (attention.cu DeepForm): "phases" records its timeline
+# (deep_phases), "late" lets the next kernel launch only at its end, "after" fetches no keys before its dependency wait.
+DEEP_FORMS = {form: f"attention_decode_deep_128_{form}" for form in ("phases", "late", "after")}
 # The gated delta rule (hybrid.cu) is built per key head size, which sets the registers its state takes.
 DELTA_KEY_DIMS = (16, 32, 64, 128)
 # Its chunked prompt form (delta_chunk_prep, delta_chunk_state; tensor cores, sm_80+) per key head size.
@@ -196,7 +198,7 @@ def built(capability: int, sweep: bool = False) -> dict[str, set[str]]:
     if sweep:
         add("matvec", {stream(t, form) for t in QUANT_TYPES for form in STREAM_FORMS} - streams)
         add("attention", {deep_decode(hd, tiles) for hd, sweep_tiles in DEEP_SWEEP.items() for tiles in sweep_tiles}
-            | {DEEP_PHASED})
+            | set(DEEP_FORMS.values()))
         return names
     add("matvec", streams | {pair(types, shapes) for types in PAIR_TYPES for shapes in PAIR_SHAPES})
     for kind, (module, types) in PER_TYPE.items():
