@@ -450,6 +450,22 @@ def test_attention_decode_deep_tile_shapes(tiles, heads, kv):
     check_decode(launch, 1900, 0, 128, True, 128, heads, kv, tol=2e-3)
 
 
+@pytest.mark.skipif(not K.mma_capable(), reason="attention_decode_deep needs sm_80 or newer")
+@pytest.mark.parametrize("form", sorted(N.DEEP_FORMS))
+@pytest.mark.parametrize("heads,kv", [(32, 8), (32, 4)])
+def test_attention_decode_deep_sweep_forms(form, heads, kv):
+    """The deep kernel's sweep-only forms (timeline recorded, the next kernel launched late, no keys fetched before
+    the wait) compute what the backend's form does."""
+    done = K.counters(2 * kv)
+
+    def launch(*args, q8=None):
+        n = K.deep_decode_splits(2048, kv, 128)
+        part = cp.empty(heads * n * (128 + 2), cp.float32)
+        K.attention_decode_deep(*args, part, done, q8, splits=n, form=form)
+
+    check_decode(launch, 1900, 0, 128, True, 128, heads, kv, tol=2e-3)
+
+
 @pytest.mark.parametrize("form", ["cluster", "deep"])
 @pytest.mark.parametrize("start,window,hd,neox,rot", DECODE_CASES)
 def test_attention_decode_takes_the_qk_norm_in(form, start, window, hd, neox, rot):
