@@ -11,9 +11,9 @@ with each kernel's largest output difference to the first kernel's (attention_de
 --kv-cache q8_0 times the kernels' q8_0 forms on a cache of random quants and scales (deep decode: its default
 tiles only). --layers N gives the decode kernels N caches, one launch after another each reading the next, as a
 model's layers do: with N caches larger than L2 every launch reads its keys from memory, not from L2. --phases
-(head size 128) adds, per depth, the timeline of the deep kernel's blocks (kernel_names.DEEP_FORMS['phases']) in the last
-launch of a replayed graph: for each phase (0 entry, 1 after grid_dependency_sync, 2 queries loaded, 3 keys done, 4
-own token and the warps' merge, 5 partial result stored, 6 done, the KV head's last block having merged the
+(head size 128) adds, per depth, the timeline of the deep kernel's blocks (kernel_names.DEEP_FORMS['phases']) in
+the last launch of a replayed graph: for each phase (0 entry, 1 after grid_dependency_sync, 2 queries loaded, 3 keys
+done, 4 own token and the warps' merge, 5 partial result stored, 6 done, the KV head's last block having merged the
 splits), microseconds from the first block's entry by the global timer (median and latest block), and each phase's
 own duration by the SM clock (median and longest).
 

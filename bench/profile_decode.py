@@ -6,17 +6,17 @@ the step's busy span (first kernel start to last kernel end), and per step for e
 first) and in total: launches; microseconds from start to end (with programmatic launches that includes waiting
 for the kernel before); critical microseconds, the part of the span it alone accounts for (past the end of every
 kernel before it); and microseconds the GPU idled before it. Critical and idle times sum to the span.
---deep-phases (a step deep enough for attention_decode_deep, heads of 128, fp16 cache) runs the deep kernel's phased
-copy (kernel_names.DEEP_FORMS['phases']) in the graph and adds the last layer's attention timeline of one more step, as
-bench_attention.py --phases gives it for the kernel alone ("deep_phases"). --prefill profiles the prompt instead: one
-prefill of --prompt tokens (after an untimed one), its kernels as above over the whole prompt, with its wall time
-(host clock, to the last kernel's end). --carveout P: every kernel prefers P percent
-of its multiprocessor's L1 as shared memory (CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT), so kernels of
-unlike shared memory need not wait for an SM to be reconfigured before they share it. --deep-variants KTxSTAGES[xSPLITS]
+--deep-phases (a step deep enough for attention_decode_deep, heads of 128, fp16 cache) runs the deep kernel's
+phased copy (kernel_names.DEEP_FORMS['phases']) in the graph and adds the last layer's attention timeline of one more
+step, as bench_attention.py --phases gives it for the kernel alone ("deep_phases"). --prefill profiles the prompt
+instead: one prefill of --prompt tokens (after an untimed one), its kernels as above over the whole prompt, with its
+wall time (host clock, to the last kernel's end). --carveout P: every kernel prefers P percent of its
+multiprocessor's L1 as shared memory (CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT), so kernels of unlike
+shared memory need not wait for an SM to be reconfigured before they share it. --deep-variants KTxSTAGES[xSPLITS]
 ... then captures the decode graph again with each listed deep kernel (tiles of kernel_names.DEEP_TILES or
-DEEP_SWEEP, heads of 128; SPLITS in place of cuda.deep_decode_splits'; or a sweep form of kernel_names.DEEP_FORMS,
-e.g. late) and prints a line for each: its step's device
-time and the deep kernel's times a step, on the one loaded model.
+DEEP_SWEEP, heads of 128, SPLITS in place of cuda.deep_decode_splits'; or a sweep form of kernel_names.DEEP_FORMS,
+e.g. late) and prints a line for each: its step's device time and the deep kernel's times a step, on the one loaded
+model.
 
 Usage: python bench/profile_decode.py MODEL.gguf [--prompt 512] [--reps 20] [--experts-in-ram N] [--top 25]
        [--deep-phases] [--carveout P] [--prefill] [--deep-variants 16x4 16x6x33]
@@ -149,7 +149,8 @@ def main() -> None:
     parser.add_argument("--deep-phases", action="store_true", help="the deep attention kernel's timeline in the model")
     parser.add_argument("--carveout", type=int, help="percent of L1 every kernel prefers as shared memory")
     parser.add_argument("--prefill", action="store_true", help="profile the prompt's prefill, not a decode step")
-    parser.add_argument("--deep-variants", nargs="+", help="deep decode kernels timed in turn after: KTxSTAGES[xSPLITS]")
+    parser.add_argument("--deep-variants", nargs="+",
+                        help="deep decode kernels timed in turn after: KTxSTAGES[xSPLITS] or a DEEP_FORMS name")
     args = parser.parse_args()
     from engine.kernels import cuda
 

@@ -683,7 +683,8 @@ def attention_decode_split(q, k, v, cos, sin, neox: bool, k_cache, v_cache, star
 @functools.cache
 def _deep_kernel(hd: int, tiles: tuple[int, int], kv: str = "full", form: str | None = None) -> tuple[str, int, int]:
     """(name, dynamic shared bytes, blocks the GPU holds at once) of attention_decode_deep with these tiles (or its
-    sweep copy of kernel_names.DEEP_FORMS); the kernel is allowed its shared memory (above the default 48 KB) here, once."""
+    sweep copy of kernel_names.DEEP_FORMS); the kernel is allowed its shared memory (above the default 48 KB) here,
+    once."""
     if form is not None and (hd, tiles, kv) != (128, N.DEEP_TILES[128], "full"):
         raise ValueError("the deep kernel's sweep forms are built for heads of 128, the default tiles and an fp16 "
                          "cache only")
