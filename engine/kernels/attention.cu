@@ -700,6 +700,26 @@ __device__ __forceinline__ void warp_load_rows(u16* tile, const CacheRows<D, fal
     }
 }
 
+// The same tile of keys and values by bulk copies (the DEEP_BULK form; 16-key tiles, so a lane a row: keys on lanes
+// 0-15, values on 16-31), counted on bar; the lanes of rows from `end` on write their zeros themselves.
+template <int D, int KT>
+__device__ __forceinline__ void warp_bulk_rows(u16* tile, const CacheRows<D, false>& keys,
+                                               const CacheRows<D, false>& values, int j0, int end,
+                                               unsigned long long* bar) {
+    static_assert(2 * KT == 32, "a lane a row");
+    const int lane = threadIdx.x & 31, row = lane % KT, in = min(KT, end - j0);
+    const CacheRows<D, false>& rows = lane < KT ? keys : values;
+    u16* dst = tile + (lane < KT ? 0 : KT * (D + 8)) + row * (D + 8);
+    if (lane == 0) bulk_expect(bar, 2 * in * rows.ROW_BYTES);
+    __syncwarp();
+    if (row < in) {
+        bulk_copy(dst, rows.data + rows.step(rows.row(j0), row) * rows.ROW_BYTES, rows.ROW_BYTES, bar);
+    } else {
+#pragma unroll
+        for (int c = 0; c < D / 8; ++c) reinterpret_cast<uint4*>(dst)[c] = make_uint4(0, 0, 0, 0);
+    }
+}
+
 // q8_0: rows j0 .. j0 + KT - 1's int8 values (KT D bytes), then each row's scales (D / 16 bytes), into a warp's raw
 // tile; rows from `end` on are zeros.
 template <int D, int KT>
@@ -763,9 +783,9 @@ __device__ __forceinline__ void deep_phase(int i) {
 }
 
 // The deep kernel's forms: the one the backend launches, and sweep-only copies (kernel_names.DEEP_FORMS) that record
-// their timeline (deep_phases), let the next kernel launch only at their end, or fetch no keys before their
-// dependency wait.
-enum DeepForm { DEEP_PLAIN, DEEP_TIMED, DEEP_LATE, DEEP_AFTER };
+// their timeline (deep_phases), let the next kernel launch only at their end, fetch no keys before their dependency
+// wait, or fetch their tiles by bulk copies (sm_90+, fp16 caches, 16-key tiles).
+enum DeepForm { DEEP_PLAIN, DEEP_TIMED, DEEP_LATE, DEEP_AFTER, DEEP_BULK };
 
 template <int D, int KT, int STAGES, bool Q8, int FORM = DEEP_PLAIN>
 __device__ __forceinline__ void attention_decode_deep_impl(
@@ -778,10 +798,12 @@ __device__ __forceinline__ void attention_decode_deep_impl(
     constexpr int ROW = D + 8, TILE = Smem::TILE, DK = D / 16, DN = D / 8, KN = KT / 8, UNIT = DEEP_WARPS * KT;
     static_assert(DEEP_WARPS == 4, "store_block_partial merges 4 warps");
     static_assert(Smem::WARP_BYTES >= 16 * D * 4, "the merge reuses the tiles");
+    static_assert(FORM != DEEP_BULK || !Q8, "bulk copies take fp16 tiles");
     extern __shared__ __align__(16) u8 smem[];  // warp w's from smem + w WARP_BYTES
     __shared__ __align__(16) float qs[16][D];
     __shared__ float wm[DEEP_WARPS][16], wl[DEEP_WARPS][16], own_s[16], own_v[D];
     __shared__ float q_squares[16][D / 32];  // with q_norm: each warp's sum of squares of a query head's 32 dims
+    __shared__ unsigned long long stage_bars[FORM == DEEP_BULK ? DEEP_WARPS * STAGES : 1];  // DEEP_BULK's
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int group = n_heads / n_kv, pos = start[0];
     const int first = window > 0 ? max(0, pos - window + 1) : 0;
@@ -795,8 +817,15 @@ __device__ __forceinline__ void attention_decode_deep_impl(
     deep_phase<FORM == DEEP_TIMED>(0);
     // The warp's tile i: keys lo + (warp + DEEP_WARPS i) KT .., in buffer i % STAGES. Every call commits a group
     // (empty past the range), so waiting for all but the newest STAGES - 1 groups always means tile i landed.
+    unsigned long long* bars = stage_bars + (FORM == DEEP_BULK ? warp * STAGES : 0);
     auto fetch = [&](int i) {
         const int j0 = lo + (warp + DEEP_WARPS * i) * KT;
+        if constexpr (FORM == DEEP_BULK) {  // only tiles that hold keys, each waited for below
+            if (j0 < cached_hi)
+                warp_bulk_rows<D, KT>(reinterpret_cast<u16*>(mine + (i % STAGES) * Smem::STAGE_BYTES), keys, values,
+                                      j0, cached_hi, bars + i % STAGES);
+            return;
+        }
         if (j0 < cached_hi) {
             u8* buf = mine + (i % STAGES) * Smem::STAGE_BYTES;
             if constexpr (Q8) {
@@ -809,6 +838,10 @@ __device__ __forceinline__ void attention_decode_deep_impl(
         }
         copies_commit();
     };
+    if constexpr (FORM == DEEP_BULK) {
+        if (lane < STAGES) bulk_barrier_init(bars + lane);
+        __syncwarp();
+    }
     if constexpr (FORM != DEEP_AFTER) {
 #pragma unroll
         for (int i = 0; i < STAGES - 1; ++i) fetch(i);
@@ -901,7 +934,11 @@ __device__ __forceinline__ void attention_decode_deep_impl(
     const int n_tiles = (cached_hi - lo + KT - 1) / KT;
     for (int i = 0; warp + DEEP_WARPS * i < n_tiles; ++i) {
         fetch(i + STAGES - 1);
-        copies_wait<STAGES - 1>();
+        if constexpr (FORM == DEEP_BULK) {
+            bulk_wait(bars + i % STAGES, (i / STAGES) & 1);
+        } else {
+            copies_wait<STAGES - 1>();
+        }
         __syncwarp();  // every lane's copies of tile i are visible to the warp
         const int j0 = lo + (warp + DEEP_WARPS * i) * KT;
         const u8* stage = mine + (i % STAGES) * Smem::STAGE_BYTES;
@@ -992,6 +1029,7 @@ ATTENTION_DECODE_DEEP(128, 32, 3, false, attention_decode_deep_128_kt32_s3)
 ATTENTION_DECODE_DEEP_P(128, 16, 4, false, DEEP_TIMED, attention_decode_deep_128_phases)
 ATTENTION_DECODE_DEEP_P(128, 16, 4, false, DEEP_LATE, attention_decode_deep_128_late)
 ATTENTION_DECODE_DEEP_P(128, 16, 4, false, DEEP_AFTER, attention_decode_deep_128_after)
+ATTENTION_DECODE_DEEP_P(128, 16, 4, false, DEEP_BULK, attention_decode_deep_128_bulk)
 #endif
 
 #if __CUDA_ARCH__ >= 900

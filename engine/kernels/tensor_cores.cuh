@@ -95,6 +95,54 @@ __device__ __forceinline__ void copies_wait() {
 #endif
 }
 
+// Hopper's bulk copies (the tensor memory accelerator), which a sweep-only form of the deep decode kernel takes in
+// place of cp.async: an instruction a row, its bytes counted on an mbarrier in shared memory rather than by the
+// thread's copy groups. Before sm_90 they trap.
+__device__ __forceinline__ void bulk_barrier_init(unsigned long long* bar) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n\tfence.mbarrier_init.release.cluster;"
+                 ::"r"((u32)__cvta_generic_to_shared(bar)) : "memory");
+#else
+    __trap();
+#endif
+}
+
+// The barrier's one arrival, expecting `bytes` of copies before its phase completes.
+__device__ __forceinline__ void bulk_expect(unsigned long long* bar, u32 bytes) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+                 ::"r"((u32)__cvta_generic_to_shared(bar)), "r"(bytes) : "memory");
+#else
+    __trap();
+#endif
+}
+
+// `bytes` (a multiple of 16, both ends 16-byte aligned) from global to shared memory, counted on bar. The fence
+// orders this thread's earlier reads of the buffer before the copy's writes.
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, u32 bytes, unsigned long long* bar) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("fence.proxy.async.shared::cta;\n\t"
+                 "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 ::"r"((u32)__cvta_generic_to_shared(dst)), "l"(src), "r"(bytes),
+                 "r"((u32)__cvta_generic_to_shared(bar)) : "memory");
+#else
+    __trap();
+#endif
+}
+
+// Wait until the barrier's phase of this parity (0 for its first use, then alternating) has completed.
+__device__ __forceinline__ void bulk_wait(unsigned long long* bar, u32 parity) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("{\n\t.reg .pred done;\n"
+                 "BULK_WAIT_%=:\n\t"
+                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n\t"
+                 "@!done bra BULK_WAIT_%=;\n\t}"
+                 ::"r"((u32)__cvta_generic_to_shared(bar)), "r"(parity) : "memory");
+#else
+    __trap();
+#endif
+}
+
 // ---- one key tile of attention on tensor cores, for a warp's 16 query rows ----
 // The rows' queries are mma A fragments qa (fp16, pre-scaled to base 2); a lane holds rows g = lane / 4 and g + 8,
 // columns 2 t, 2 t + 1 (t = lane % 4) of each 8-wide block. ks and vs: KT keys and values of D halves in shared
