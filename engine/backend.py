@@ -399,6 +399,13 @@ class Backend(Protocol):
         """
 
 
+def norm_qk(backend: Backend, q: Array, k: Array, qk_norm: tuple[WeightHandle, WeightHandle, float]) -> None:
+    """Backend.rope_attention's qk_norm applied to q and k in place, by `rms_norm`, for a form that does not take it."""
+    q_norm, k_norm, eps = qk_norm
+    backend.rms_norm(q, q_norm, eps, q)
+    backend.rms_norm(k, k_norm, eps, k)
+
+
 def route_after_product(backend: Backend, x: Array, router: WeightHandle, n_experts: int, top_k: int,
                         normalize: bool, logits_out: Array, weights_out: Array, ids_out: Array) -> None:
     """Backend.route_experts as `linear`, then `moe_route`."""

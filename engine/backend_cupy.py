@@ -22,7 +22,8 @@ import numpy as np
 
 from engine import quants
 from engine.backend import (Q8_0_GROUP, ROPE_NEOX, ROPE_NORMAL, ExpertCacheStats, KVCache, MemoryInUse, RopeTable,
-                            SamplingParams, check_kv_cache_type, linear_each, route_after_product)
+                            SamplingParams, check_kv_cache_type, linear_each, norm_qk,
+                            route_after_product)
 from engine.capabilities import GPU_KV_DTYPE, HOST_EXPERT_THREADS, MIN_COMPUTE_CAPABILITY, dequant_slice_rows
 from engine import expert_stream
 from engine.expert_cache import ExpertCache
@@ -597,13 +598,10 @@ class CupyBackend:
         n_kv, max_tokens = kc.shape[0], kc.shape[1]
         form = K.decode_attention_form(n_heads, n_kv, max_tokens, self._deep_decode, cache.kind) if n == 1 else None
         norms = None  # the QK-norm, for the decode kernels that take it in (two launches fewer)
-        if qk_norm is not None:
-            q_norm, k_norm, eps = qk_norm
-            if form in ("deep", "cluster"):
-                norms = (q_norm.data, k_norm.data, eps)
-            else:
-                self.rms_norm(q, q_norm, eps, q)
-                self.rms_norm(k, k_norm, eps, k)
+        if qk_norm is not None and form in ("deep", "cluster"):
+            norms = (qk_norm[0].data, qk_norm[1].data, qk_norm[2])
+        elif qk_norm is not None:
+            norm_qk(self, q, k, qk_norm)
         if form in ("deep", "split"):  # blocks of a KV head's whole group and a split of its keys, then merged
             deep = form == "deep"
             splits = (K.deep_decode_splits(max_tokens, n_kv, hd, kv=cache.kind) if deep

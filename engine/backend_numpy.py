@@ -13,7 +13,7 @@ import numpy as np
 
 from engine import quants
 from engine.backend import (Q8_0_GROUP, ROPE_NEOX, KVCache, MemoryInUse, RopeTable, SamplingParams, check_kv_cache_type,
-                            linear_each, route_after_product)
+                            linear_each, norm_qk, route_after_product)
 from engine.capabilities import CPU_KV_DTYPE
 from engine.cpu import experts, ops, products
 from engine.cpu.blas import blas_threads
@@ -140,9 +140,7 @@ class NumpyBackend:
     def rope_attention(self, q, k, v, rope: RopeTable, style: str, cache: KVCache, layer: int, start, out,
                        scale: float, window: int = 0, qk_norm: tuple[CpuWeight, CpuWeight, float] | None = None) -> None:
         if qk_norm is not None:
-            q_norm, k_norm, eps = qk_norm
-            self.rms_norm(q, q_norm, eps, q)
-            self.rms_norm(k, k_norm, eps, k)
+            norm_qk(self, q, k, qk_norm)
         kc, vc, p = cache.k[layer], cache.v[layer], int(start[0])
         ks, vs = (None, None) if cache.k_scale is None else (cache.k_scale[layer], cache.v_scale[layer])
         if q.shape[0] == 1:
