@@ -784,8 +784,9 @@ __device__ __forceinline__ void deep_phase(int i) {
 
 // The deep kernel's forms: the one the backend launches, and sweep-only copies (kernel_names.DEEP_FORMS) that record
 // their timeline (deep_phases), let the next kernel launch only at their end, fetch no keys before their dependency
-// wait, or fetch their tiles by bulk copies (sm_90+, fp16 caches, 16-key tiles).
-enum DeepForm { DEEP_PLAIN, DEEP_TIMED, DEEP_LATE, DEEP_AFTER, DEEP_BULK };
+// wait, fetch their tiles by bulk copies (sm_90+, fp16 caches, 16-key tiles), or split the keys at whole tiles
+// rather than at whole rounds of the block's warps (every split active, a split's warps uneven by a tile).
+enum DeepForm { DEEP_PLAIN, DEEP_TIMED, DEEP_LATE, DEEP_AFTER, DEEP_BULK, DEEP_FINE };
 
 template <int D, int KT, int STAGES, bool Q8, int FORM = DEEP_PLAIN>
 __device__ __forceinline__ void attention_decode_deep_impl(
@@ -808,7 +809,8 @@ __device__ __forceinline__ void attention_decode_deep_impl(
     const int group = n_heads / n_kv, pos = start[0];
     const int first = window > 0 ? max(0, pos - window + 1) : 0;
     const int len = pos + 1 - first;
-    const int per = max(UNIT, (len + UNIT * n_splits - 1) / (UNIT * n_splits) * UNIT);
+    constexpr int GRAIN = FORM == DEEP_FINE ? KT : UNIT;
+    const int per = max(UNIT, (len + GRAIN * n_splits - 1) / (GRAIN * n_splits) * GRAIN);
     const int active = (len + per - 1) / per;
     if (split >= active) return;
     const int lo = first + split * per, hi = min(lo + per, pos + 1), cached_hi = min(hi, pos);
@@ -1030,6 +1032,7 @@ ATTENTION_DECODE_DEEP_P(128, 16, 4, false, DEEP_TIMED, attention_decode_deep_128
 ATTENTION_DECODE_DEEP_P(128, 16, 4, false, DEEP_LATE, attention_decode_deep_128_late)
 ATTENTION_DECODE_DEEP_P(128, 16, 4, false, DEEP_AFTER, attention_decode_deep_128_after)
 ATTENTION_DECODE_DEEP_P(128, 16, 4, false, DEEP_BULK, attention_decode_deep_128_bulk)
+ATTENTION_DECODE_DEEP_P(128, 16, 4, false, DEEP_FINE, attention_decode_deep_128_fine)
 #endif
 
 #if __CUDA_ARCH__ >= 900
