@@ -12,14 +12,15 @@ step, as bench_attention.py --phases gives it for the kernel alone ("deep_phases
 instead: one prefill of --prompt tokens (after an untimed one), its kernels as above over the whole prompt, with its
 wall time (host clock, to the last kernel's end). --carveout P: every kernel prefers P percent of its
 multiprocessor's L1 as shared memory (CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT), so kernels of unlike
-shared memory need not wait for an SM to be reconfigured before they share it. --deep-variants KTxSTAGES[xSPLITS]
-... then captures the decode graph again with each listed deep kernel (tiles of kernel_names.DEEP_TILES or
-DEEP_SWEEP, heads of 128, SPLITS in place of cuda.deep_decode_splits'; or a sweep form of kernel_names.DEEP_FORMS,
-e.g. late) and prints a line for each: its step's device time and the deep kernel's times a step, on the one loaded
-model.
+shared memory need not wait for an SM to be reconfigured before they share it. --variants V ... then captures the
+decode graph again with each listed variant and prints a line for each: its step's device time and, per step, the
+deep kernel's times and the experts' products' (critical_path), on the one loaded model. A variant is a deep kernel
+(KTxSTAGES[xSPLITS]: tiles of kernel_names.DEEP_TILES or DEEP_SWEEP, heads of 128, SPLITS in place of
+cuda.deep_decode_splits'; or a sweep form of kernel_names.DEEP_FORMS, e.g. late) or "expert-prefetch" (the default
+deep kernel, the experts' gate/up products asking L2 for the down products' rows: the backend's expert_prefetch).
 
 Usage: python bench/profile_decode.py MODEL.gguf [--prompt 512] [--reps 20] [--experts-in-ram N] [--top 25]
-       [--deep-phases] [--carveout P] [--prefill] [--deep-variants 16x4 16x6x33]
+       [--deep-phases] [--carveout P] [--prefill] [--variants 16x4 16x6x33 expert-prefetch]
 """
 
 from __future__ import annotations
@@ -78,39 +79,47 @@ def prefill_times(state, prompt: list[int]) -> tuple[dict[str, list[float]], flo
     return totals, span, wall_ms
 
 
-def deep_variants(state, variants: list[str], reps: int) -> list[dict]:
-    """The decode step with each deep kernel of `variants` ("KTxSTAGES[xSPLITS]", or a form of
-    kernel_names.DEEP_FORMS), captured again in turn: its
-    device time, and per step the deep kernel's launches, microseconds and critical microseconds (critical_path)."""
+def step_variants(state, variants: list[str], reps: int) -> list[dict]:
+    """The decode step with each of `variants` ("KTxSTAGES[xSPLITS]", a form of kernel_names.DEEP_FORMS, or
+    "expert-prefetch"), captured again in turn: its device time, and per step the launches, microseconds and critical
+    microseconds (critical_path) of the deep kernel and of the experts' products."""
     from engine.kernels import cuda
     from engine.kernels import kernel_names as N
 
     launch, splits_of = cuda.attention_decode_deep, cuda.deep_decode_splits
+    backend = state.backend
 
     def splits_for(max_tokens, n_kv, hd, *_, tiles, fixed, kv="full"):  # as the backend and the launcher call it
         return fixed or splits_of(max_tokens, n_kv, hd, tiles, kv)
 
+    def times(totals, prefix):
+        return [[round(v / reps, 2) for v in values[:3]] for name, values in totals.items() if name.startswith(prefix)]
+
     rows = []
     try:
         for spec in variants:
+            tiles, fixed, deep = N.DEEP_TILES[128], [], launch
+            backend.expert_prefetch = spec == "expert-prefetch"
             if spec in N.DEEP_FORMS:  # the default tiles and splits
-                tiles, fixed = N.DEEP_TILES[128], []
-                cuda.attention_decode_deep = functools.partial(launch, form=spec)
-            else:
+                deep = functools.partial(launch, form=spec)
+            elif not backend.expert_prefetch:
                 kt, stages, *fixed = (int(v) for v in spec.split("x"))
                 tiles = (kt, stages)
-                cuda.attention_decode_deep = functools.partial(launch, tiles=tiles)
+                deep = functools.partial(launch, tiles=tiles)
+            cuda.attention_decode_deep = deep
             cuda.deep_decode_splits = functools.partial(splits_for, tiles=tiles, fixed=fixed[0] if fixed else None)
-            state.decode_step = state.backend.compile_step(functools.partial(
-                state.arch.forward, state.config, state.weights, state.workspace, state.backend, state.cache, 1))
+            state.decode_step = backend.compile_step(functools.partial(
+                state.arch.forward, state.config, state.weights, state.workspace, backend, state.cache, 1))
             step_ms = graph_step_ms(state)
             totals, _ = kernel_times(state, reps)
-            deep = [[round(v / reps, 2) for v in values[:3]] for name, values in totals.items()
-                    if name.startswith("attention_decode_deep")]
-            rows.append({"deep_variant": spec, "gpu_ms_per_decode_step": step_ms,
-                         "deep_launches_us_critical_us": deep[0] if deep else None})
+            deep = times(totals, "attention_decode_deep")
+            rows.append({"variant": spec, "gpu_ms_per_decode_step": step_ms,
+                         "deep_launches_us_critical_us": deep[0] if deep else None,
+                         "moe_gate_up_launches_us_critical_us": (times(totals, "moe_gate_up") or [None])[0],
+                         "moe_down_launches_us_critical_us": (times(totals, "moe_down") or [None])[0]})
     finally:
         cuda.attention_decode_deep, cuda.deep_decode_splits = launch, splits_of
+        backend.expert_prefetch = False
     return rows
 
 
@@ -149,8 +158,8 @@ def main() -> None:
     parser.add_argument("--deep-phases", action="store_true", help="the deep attention kernel's timeline in the model")
     parser.add_argument("--carveout", type=int, help="percent of L1 every kernel prefers as shared memory")
     parser.add_argument("--prefill", action="store_true", help="profile the prompt's prefill, not a decode step")
-    parser.add_argument("--deep-variants", nargs="+",
-                        help="deep decode kernels timed in turn after: KTxSTAGES[xSPLITS] or a DEEP_FORMS name")
+    parser.add_argument("--variants", nargs="+",
+                        help="decode steps timed in turn after: KTxSTAGES[xSPLITS], a DEEP_FORMS name or expert-prefetch")
     args = parser.parse_args()
     from engine.kernels import cuda
 
@@ -199,8 +208,8 @@ def main() -> None:
         "experts_in_ram": args.experts_in_ram, "carveout": args.carveout, "gpu_ms_per_decode_step": step_ms, "busy_span_us": round(span_us, 1),
         "per_step": total, "kernels": listed, **phases,
     }), flush=True)
-    if args.deep_variants and not args.prefill:
-        for row in deep_variants(state, args.deep_variants, args.reps):
+    if args.variants and not args.prefill:
+        for row in step_variants(state, args.variants, args.reps):
             print(json.dumps({"model": model.info.name, "gpu": gpu_name(), "depth": args.prompt, **row}), flush=True)
     model.close()
 

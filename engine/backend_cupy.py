@@ -133,6 +133,9 @@ class CupyBackend:
         self._host_stage: dict[str, np.ndarray] = {}  # pinned: one token's expert input and output
         self._expert_stream: expert_stream.ExpertStream | None = None  # made with a chunk's first streamed layer
         self.experts_over_bus = EXPERTS_OVER_BUS  # read when a decode step's graph is made
+        # Whether the experts' gate/up products ask L2 for the down products' rows (cuda.moe_gate_up's down). Off
+        # until a GPU has timed it: bench/profile_decode.py --variants expert-prefetch captures a step with it on.
+        self.expert_prefetch = False
         self._bus_weights: dict[int, tuple[K.CpuLayoutWeight, ...]] = {}  # id of a layer's gate -> its over_bus views
         self._closed = False
 
@@ -451,7 +454,7 @@ class CupyBackend:
             x_q8 = self._quantized_input(x) if n == 1 else self._q8_scratch(self._buffer, "moe_x", x.size)
             if n > 1:
                 K.quantize_q8(x, x_q8)
-        K.moe_gate_up(gate, up, x, x_q8, ids, hidden, act)
+        K.moe_gate_up(gate, up, x, x_q8, ids, hidden, act, down if self.expert_prefetch else None)
         if down.quantized:
             # A prompt chunk's scratch grows as needed; decode's keeps the address its captured graph holds.
             h_q8 = self._q8_scratch(self._buffer if n > 1 else self._decode_buffer, "moe_hidden", hidden.size)

@@ -335,14 +335,28 @@ def matvec_glu(gate: GpuWeight, up: GpuWeight, x: Any, q8: Q8 | None, out: Any, 
 
 
 def moe_gate_up(gate: GpuWeight | CpuLayoutWeight, up: GpuWeight | CpuLayoutWeight, x: Any, q8: Q8 | None, ids: Any,
-                hidden: Any, act: int) -> None:
+                hidden: Any, act: int, down: GpuWeight | CpuLayoutWeight | None = None) -> None:
     """hidden (n * top_k, f) = act(gate_e . x[token]) * (up_e . x[token]) for each token's chosen experts e =
-    ids (n, top_k); gate, up: stacked (n_experts, f, k) weights of one type or layout; quantized ones read q8 (x's)."""
+    ids (n, top_k); gate, up: stacked (n_experts, f, k) weights of one type or layout; quantized ones read q8 (x's)
+    and ask L2 for the chosen experts' rows of down, the down product's weights, where those are in device memory
+    and quantized."""
     _, f, k = gate.shape
     slots = ids.size
     src = q8.args() if gate.quantized else (x,)
+    spans = _expert_spans(down) if gate.quantized else ()
     launch("matvec", N.moe("moe_gate_up", gate.suffix), (_blocks(f, WARPS), slots), (32 * WARPS,),
-           (*gate.args(), *up.args(), *src, ids, i32(ids.shape[1]), hidden, i32(f), i32(k), i32(act)))
+           (*gate.args(), *up.args(), *src, ids, i32(ids.shape[1]), hidden, i32(f), i32(k), i32(act), *spans))
+
+
+def _expert_spans(down: GpuWeight | CpuLayoutWeight | None) -> tuple[Any, ...]:
+    """moe_gate_up's prefetch arguments: down's q, h, s, d planes, then each one's bytes an expert (0 for a plane
+    the type lacks, which repeats q, and for everything where down is not quantized in device memory)."""
+    if not isinstance(down, GpuWeight) or not down.quantized:
+        return (np.uintp(0),) * 4 + (i64(0),) * 4
+    first = down.planes[0].data.ptr
+    spans = [0 if i and plane.data.ptr == first else plane.nbytes // down.shape[0]
+             for i, plane in enumerate(down.planes)]
+    return (*down.planes, *map(i64, spans))
 
 
 def moe_down(down: GpuWeight | CpuLayoutWeight, hidden: Any, q8: Q8 | None, ids: Any, weights: Any, out: Any) -> None:
