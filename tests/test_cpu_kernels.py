@@ -49,7 +49,13 @@ def _weight(qtype: T, rows: int, k: int, rng) -> tuple[np.ndarray, np.ndarray, n
         for offset in RANDOM_BLOCKS[qtype]:
             scales[:, offset : offset + 2] = rng.uniform(1e-3, 2e-2, (scales.shape[0], 1)).astype("<f2").view(np.uint8)
     blocks = raw.reshape(-1, nbytes)
-    offset = {
+    offsets = np.repeat(_offset_bound(qtype, blocks), elements).reshape(rows, k)
+    return raw.reshape(rows, -1), dequantize(raw, qtype).astype(np.float64).reshape(rows, k), offsets
+
+
+def _offset_bound(qtype: T, blocks: np.ndarray) -> np.ndarray:
+    """A bound of |offset| for each block (rows of GGUF bytes), from its own fp16 fields."""
+    return {
         T.Q4_0: lambda: 8 * _f16(blocks, 0),
         T.Q4_1: lambda: _f16(blocks, 2),
         T.Q5_0: lambda: 16 * _f16(blocks, 0),
@@ -63,8 +69,6 @@ def _weight(qtype: T, rows: int, k: int, rng) -> tuple[np.ndarray, np.ndarray, n
         T.Q2_K: lambda: 15 * _f16(blocks, 82),  # dmin times a 4-bit min
         T.IQ3_S: lambda: 32 * 31 * _f16(blocks, 0),  # Q6_K's layout again, under odd scales up to 31
     }[qtype]()
-    offsets = np.repeat(offset, elements).reshape(rows, k)
-    return raw.reshape(rows, -1), dequantize(raw, qtype).astype(np.float64).reshape(rows, k), offsets
 
 
 def _check(got, values, offsets, x, groups_per_row, limit=32767):
@@ -80,7 +84,8 @@ def _check(got, values, offsets, x, groups_per_row, limit=32767):
 @pytest.mark.parametrize("bits", [16, 8])
 @pytest.mark.parametrize(("qtype", "shape"), CASES, ids=lambda c: getattr(c, "name", str(c)))
 def test_matvec_matches_gguf_dequantize_then_float64_product(qtype, shape, bits):
-    """int8 activations take VNNI's vpdpbusd where the CPU has it (dot._VNNI), else int16 steps."""
+    """int8 activations take VNNI's vpdpbusd where the CPU has it (dot._VNNI), vpmaddubsw on AVX2 alone
+    (dot.quad_sums_fit), else int16 steps."""
     rows, k = shape
     rng = np.random.default_rng(hash((qtype.name, shape, bits)) % 2**32)
     raw, values, offsets = _weight(qtype, rows, k, rng)
@@ -89,6 +94,28 @@ def test_matvec_matches_gguf_dequantize_then_float64_product(qtype, shape, bits)
     out = np.full(rows, np.nan, np.float32)
     products.matvec(planes, products.activation(x[0], bits), out)
     _check(out, values, offsets, x, k // 32, (1 << (bits - 1)) - 1)
+
+
+FP16_FIELDS = {T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), **RANDOM_BLOCKS}
+
+
+@pytest.mark.parametrize("value", [1.0, -1.0])
+@pytest.mark.parametrize("qtype", FP16_FIELDS, ids=lambda t: t.name)
+def test_int8_products_of_the_largest_quants_and_values(qtype, value):
+    """Every quant bit set and every int8 value at 127 (or -127): the largest pairs vpmaddubsw sums into int16 on
+    AVX2 (dot.quad_sums_fit's families), and IQ4's levels, which it leaves to the int16 steps, stay exact."""
+    rows, k = 3, 512
+    elements, nbytes = block_layout(qtype)
+    blocks = np.full((rows * k // elements, nbytes), 0xFF, np.uint8)
+    for offset in FP16_FIELDS[qtype]:
+        blocks[:, offset : offset + 2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+    raw = blocks.reshape(rows, -1)
+    values = dequantize(raw, qtype).astype(np.float64).reshape(rows, k)
+    x = np.full((1, k), value, np.float32)
+    out = np.full(rows, np.nan, np.float32)
+    products.matvec(layout.pack(raw, qtype, rows, k), products.activation(x[0], 8), out)
+    offsets = np.repeat(_offset_bound(qtype, blocks), elements).reshape(rows, k)
+    _check(out, values, offsets, x, k // 32, 127)
 
 
 @pytest.mark.parametrize("qtype", [T.Q4_1, T.Q6_K], ids=lambda t: t.name)

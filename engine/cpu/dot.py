@@ -12,7 +12,8 @@ The CPU backend rounds the activation to int16 per 32 values (a step of 1/32767 
 to int8 as llama.cpp's CPU kernels do: int8 (`vpmaddubsw`) ran 10-25% faster here but moved SmolLM2's logits by up to
 2% of their range (0.67 of 34), enough to change greedy answers; int16 moves them by about 1e-4 of it. The experts
 the GPU backend keeps in RAM take int8 activations, as its own kernels do: on a CPU with VNNI (AVX-512 VNNI or
-AVX-VNNI) one `vpdpbusd` multiplies a group's 32 unsigned quants by its 32 int8 values and sums them in fours;
+AVX-VNNI) one `vpdpbusd` multiplies a group's 32 unsigned quants by its 32 int8 values and sums them in fours, on
+AVX2 alone `vpmaddubsw` and a `vpmaddwd` by ones do (but for IQ4's levels, which would overflow its int16 pairs);
 elsewhere int8 values are widened to int16 and take the int16 path. The kernels see which from the activation's
 dtype. Measured and not kept: 2 or 4 rows a pass sharing each activation load (no faster on one Zen 5 core, where
 the loop is bound by its vector instructions, not by loads).
@@ -166,11 +167,23 @@ def _levels(builder, index):
 
 
 def _quad_sums(builder, u, x):
-    """<32 x u8> quants times <32 x i8> values, summed in fours (one vpdpbusd): lanes 0-3 cover values 0-15, lanes
-    4-7 values 16-31."""
-    words = [builder.bitcast(v, _vec(_I32, 8)) for v in (u, x)]
-    dot = _function(builder, "llvm.x86.avx512.vpdpbusd.256", _vec(_I32, 8), [_vec(_I32, 8)] * 3)
-    return builder.call(dot, [ir.Constant(_vec(_I32, 8), [0] * 8), *words])
+    """<32 x u8> quants times <32 x i8> values, summed in fours: lanes 0-3 cover values 0-15, lanes 4-7 values
+    16-31. With VNNI one vpdpbusd; on AVX2 alone vpmaddubsw (pairs, into int16: a quant below 128 times a value of
+    at most 127 in size cannot saturate them, which quad_sums_fit says per family) then vpmaddwd by ones."""
+    if _VNNI:
+        words = [builder.bitcast(v, _vec(_I32, 8)) for v in (u, x)]
+        dot = _function(builder, "llvm.x86.avx512.vpdpbusd.256", _vec(_I32, 8), [_vec(_I32, 8)] * 3)
+        return builder.call(dot, [ir.Constant(_vec(_I32, 8), [0] * 8), *words])
+    pairs = builder.call(_function(builder, "llvm.x86.avx2.pmadd.ub.sw", _vec(_I16, 16), [_vec(_I8, 32)] * 2), [u, x])
+    return _pair_sums(builder, pairs, _const(_I16, [1] * 16))
+
+
+def quad_sums_fit(family: str) -> bool:
+    """Whether int8 activations take _quad_sums for this family here: unsigned quants on a CPU with VNNI, or below
+    128 on one with AVX2 (the IQ4 levels are stored plus 128, up to 241: two such products overflow int16)."""
+    if FAMILIES[family][2]:
+        return False
+    return _VNNI or (_AVX2 and family != "iq4")
 
 
 def _floats(builder, base, index, n):
@@ -185,7 +198,7 @@ def _add_group(builder, family, lo_p, hi_p, x_p, group, b, scales, total, x_bits
     x = builder.load(builder.bitcast(builder.gep(x_p, [builder.mul(b, _I64(4 * x_bits))]), _vec(x_type, 32).as_pointer()),
                      align=1)
     quants, signed = _group_quants(builder, family, lo_p, hi_p, group), FAMILIES[family][2]
-    if x_bits == 8 and _VNNI and not signed:
+    if x_bits == 8 and quad_sums_fit(family):
         sums = builder.sitofp(_quad_sums(builder, quants, x), _vec(_F32, 8))
         pair = builder.insert_element(_splat(builder, scales[0], 2), scales[-1], _I32(1))  # one scale, or a half's
         scale = _shuffle(builder, pair, pair, [0] * 4 + [1] * 4)
