@@ -4,7 +4,8 @@
 #                                        [ring] [moeab] [peer] [s13] [s13b] [s13c] [phases] [ab] [files] [gputests]
 #                                        [profile] [kcache] [bus] [peerbuild] [bench]
 # The GPU machine has no network: .whl/ holds the wheels it lacks (gguf; pydantic and its dependencies, which
-# tests/conftest.py's catalog lookup imports; `pip download` them for Python 3.12), and the SmolLM2 GGUF
+# tests/conftest.py's catalog lookup imports; bench/device_carry.sh downloads them for Python 3.12, and makes the
+# .carry/ items below that a fresh checkout lacks), and the SmolLM2 GGUF
 # (98 MB, over one call's 64 MB) travels in two parts, .carry/smol.part00 (copied to /tmp/strata by a first call) and
 # .carry/smol.part01 (joined to it by the `smol` step of a second call while the machine is still warm).
 # SYNTHETIC="8b:Q4_K ..." limits the synthetic step to those shape:type pairs. archs, memory and issue5 need no
