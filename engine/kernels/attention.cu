@@ -86,12 +86,13 @@ __device__ __forceinline__ void store_block_partial(const float* acc, const floa
     }
     for (int i = threadIdx.x; i < group * (HD + 2); i += blockDim.x) {
         const int h = i / (HD + 2), d = i % (HD + 2);
-        float top = own_s != nullptr ? own_s[h] : NEG_INF, f[5];
+        float top, f[5];
         if constexpr (SCALED) {
             top = weights[h][5];
 #pragma unroll
             for (int w = 0; w < 5; ++w) f[w] = weights[h][w];
         } else {
+            top = own_s != nullptr ? own_s[h] : NEG_INF;
 #pragma unroll
             for (int w = 0; w < 4; ++w) top = fmaxf(top, m[w * rows + h]);
 #pragma unroll
