@@ -9,7 +9,8 @@ GPU, each step queued before the id it feeds comes back to the host), for a fixe
 
 The output is measured at the prompt's depth: --prompt 8192 times a prompt of 8,192 tokens, then output from
 position 8,192 on. --attention chunk sends prompt chunks through attention.cu's older chunk path instead of flash
-attention (the before of a comparison); --decode-attention forces decode attention's kernel. --experts-in-ram N
+attention (the before of a comparison); --decode-attention forces decode attention's kernel; --variant captures the
+decode graphs with a variant of bench/decode_variants.py (a sweep's deep kernel tiles or forms). --experts-in-ram N
 keeps the routed experts of the first N MoE layers in RAM (the CPU computes them, but for --experts-over-bus of a
 token's experts a layer, which the GPU reads over the bus); the line then adds the bytes of
 those experts a token reads, this machine's host read bandwidth (measured here) and the fraction of that floor
@@ -17,7 +18,7 @@ reached, and the GPU memory in use (total minus free, as NVML counts it) and the
 
 Usage: python bench/bench_gpu.py MODEL.gguf [MODEL.gguf ...] [--prompt 512] [--output 128] [--device cuda]
        [--repeats 5] [--attention flash|chunk] [--decode-attention auto|cluster|split|deep] [--experts-in-ram N]
-       [--expert-cache-slots N] [--experts-over-bus N] [--kv-cache full|q8_0]
+       [--expert-cache-slots N] [--experts-over-bus N] [--kv-cache full|q8_0] [--variant SPEC]
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench import decode_variants  # noqa: E402
 from engine import GenerationSettings, load_model  # noqa: E402
 from engine.cpu.weights import CpuWeight  # noqa: E402
 from engine.generate import prefill, sampled_tokens  # noqa: E402
@@ -334,6 +336,8 @@ def main() -> None:
                              "backend's EXPERTS_OVER_BUS)")
     parser.add_argument("--kv-cache", choices=("full", "q8_0"), default="full", help="the KV cache's element type")
     parser.add_argument("--prompt-chunk", type=int, help="the most prompt tokens run at once (default: the engine's)")
+    parser.add_argument("--variant", default="default",
+                        help="a GPU decode-step variant of bench/decode_variants.py (sweeps: deep tiles, forms)")
     args = parser.parse_args()
     if args.device == "cuda":
         from engine import backend_cupy
@@ -346,11 +350,12 @@ def main() -> None:
             cuda.flash_attention_capable = lambda n_heads, n_kv: False
         if args.decode_attention != "auto":
             cuda.decode_attention_form = lambda n_heads, n_kv, max_tokens, deep, kv="full": args.decode_attention
+        decode_variants.switch(args.variant)
     for path in args.models:
         result = run(path, args.prompt, args.output, args.device, args.repeats, args.experts_in_ram,
                      args.expert_cache_slots, args.kv_cache, args.prompt_chunk)
-        print(json.dumps({**result, "prompt_attention": args.attention, "decode_attention": args.decode_attention}),
-              flush=True)
+        print(json.dumps({**result, "prompt_attention": args.attention, "decode_attention": args.decode_attention,
+                          "variant": args.variant}), flush=True)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 # Usage (on the GPU machine, repo root): bash bench/device_run.sh [warm] [tests] [kernels] [shapes] [prompt] [synthetic] [smol]
 #                                        [archs] [memory] [issue5] [flash] [ram] [cache] [moe] [hybrid] [hybridbench] [kvq8]
 #                                        [ring] [moeab] [peer] [s13] [s13b] [s13c] [phases] [ab] [files] [gputests]
-#                                        [profile] [kcache] [bus] [peerbuild] [bench]
+#                                        [profile] [winners] [kcache] [bus] [peerbuild] [bench]
 # The GPU machine has no network: .whl/ holds the wheels it lacks (gguf; pydantic and its dependencies, which
 # tests/conftest.py's catalog lookup imports; bench/device_carry.sh downloads them for Python 3.12, and makes the
 # .carry/ items below that a fresh checkout lacks), and the SmolLM2 GGUF
@@ -289,12 +289,32 @@ for part in "$@"; do
       eval timeout ${TESTS_LIMIT:-240} python3 -m pytest -q -s -p no:cacheprovider --tb=short -rf "$TESTS" 2>&1 | tee "$OUT/tests.log" \
         | grep -E "relative error|logit range|passed|failed|Error" ;;
     profile)  # bench/profile_decode.py for PROFILE_RUNS="shape:depth[:options joined by commas] ..." (synthetic files;
-              # e.g. qwen3.8-27b:4096:--prefill), PROFILE_LIMIT seconds each (on a fresh machine the first compiles)
+              # e.g. qwen3.8-27b:4096:--prefill), PROFILE_LIMIT seconds each (on a fresh machine the first compiles);
+              # PROFILE_PREFIX=peer: the peerbuild step's files, each as it lands. Its lines are also kept in
+              # /tmp/strata/profile.jsonl for a later call's winners step on the same warm machine.
       for run in $PROFILE_RUNS; do
         IFS=: read -r shape depth opts <<< "$run"
-        f=/tmp/strata/synthetic-$shape.gguf
-        while [ ! -f $f ] || pgrep -f make_synthetic_gguf.py >/dev/null; do sleep 2; done
-        timeout ${PROFILE_LIMIT:-120} python3 bench/profile_decode.py $f --prompt $depth ${opts//,/ } 2>&1 | grep -v Warn | tee -a "$OUT/profile.jsonl"
+        f=/tmp/strata/${PROFILE_PREFIX:-synthetic}-$shape.gguf
+        while [ ! -f $f ] || { [ -z "$PROFILE_PREFIX" ] && pgrep -f make_synthetic_gguf.py >/dev/null; }; do sleep 2; done
+        timeout ${PROFILE_LIMIT:-120} python3 bench/profile_decode.py $f --prompt $depth ${opts//,/ } 2>&1 | grep -v Warn \
+          | tee -a "$OUT/profile.jsonl" /tmp/strata/profile.jsonl
+      done ;;
+    winners)  # bench_gpu.py --variant V (64 tokens out, 2 repeats) on each file and depth the profile steps of this
+              # machine timed with --variants, V the variant of the shortest step there, unless it is the default
+      python3 - /tmp/strata/profile.jsonl > /tmp/strata/winners <<'EOF'
+import json, sys
+best = {}
+for line in open(sys.argv[1]):
+    row = json.loads(line) if line.startswith("{") else {}
+    if row.get("variant") and row.get("gpu_ms_per_decode_step"):
+        key = (row["file"], row["depth"])
+        best[key] = min(best.get(key, (float("inf"), "")), (row["gpu_ms_per_decode_step"], row["variant"]))
+print(" ".join(f"{f}:{d}:{v}" for (f, d), (_, v) in best.items() if v != "default"))
+EOF
+      for run in $(cat /tmp/strata/winners); do
+        IFS=: read -r file depth variant <<< "$run"
+        timeout 200 python3 bench/bench_gpu.py /tmp/strata/$file --prompt $depth --output 64 --repeats 2 --variant $variant \
+          2>&1 | tee -a "$OUT/winners.jsonl"
       done ;;
     bus)  # experts in RAM partly read over the bus (issue 18): the synthetic Qwen3-30B-A3B (Q4_K_M mix, the files step's)
           # for BUS_RUNS="layers in RAM:experts over the bus ...", prompt 512, 128 tokens out

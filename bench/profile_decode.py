@@ -13,11 +13,9 @@ instead: one prefill of --prompt tokens (after an untimed one), its kernels as a
 wall time (host clock, to the last kernel's end). --carveout P: every kernel prefers P percent of its
 multiprocessor's L1 as shared memory (CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT), so kernels of unlike
 shared memory need not wait for an SM to be reconfigured before they share it. --variants V ... then captures the
-decode graph again with each listed variant and prints a line for each: its step's device time and, per step, the
-deep kernel's times and the experts' products' (critical_path), on the one loaded model. A variant is a deep kernel
-(KTxSTAGES[xSPLITS]: tiles of kernel_names.DEEP_TILES or DEEP_SWEEP, heads of 128, SPLITS in place of
-cuda.deep_decode_splits'; or a sweep form of kernel_names.DEEP_FORMS, e.g. late) or "expert-prefetch" (the default
-deep kernel, the experts' gate/up products asking L2 for the down products' rows: the backend's expert_prefetch).
+decode graph again with each listed variant (bench/decode_variants.py: deep kernel tiles and splits, its sweep forms,
+expert-prefetch) and prints a line for each: its step's device time and, per step, the deep kernel's times and the
+experts' products' (critical_path), on the one loaded model.
 
 Usage: python bench/profile_decode.py MODEL.gguf [--prompt 512] [--reps 20] [--experts-in-ram N] [--top 25]
        [--deep-phases] [--carveout P] [--prefill] [--variants 16x4 16x6x33 expert-prefetch]
@@ -37,6 +35,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench import decode_variants  # noqa: E402
 from bench.bench_gpu import gpu_name, graph_step_ms  # noqa: E402
 from engine import load_model  # noqa: E402
 from engine.generate import prefill  # noqa: E402
@@ -80,46 +79,27 @@ def prefill_times(state, prompt: list[int]) -> tuple[dict[str, list[float]], flo
 
 
 def step_variants(state, variants: list[str], reps: int) -> list[dict]:
-    """The decode step with each of `variants` ("KTxSTAGES[xSPLITS]", a form of kernel_names.DEEP_FORMS, or
-    "expert-prefetch"), captured again in turn: its device time, and per step the launches, microseconds and critical
-    microseconds (critical_path) of the deep kernel and of the experts' products."""
-    from engine.kernels import cuda
-    from engine.kernels import kernel_names as N
-
-    launch, splits_of = cuda.attention_decode_deep, cuda.deep_decode_splits
-    backend = state.backend
-
-    def splits_for(max_tokens, n_kv, hd, *_, tiles, fixed, kv="full"):  # as the backend and the launcher call it
-        return fixed or splits_of(max_tokens, n_kv, hd, tiles, kv)
-
+    """The decode step with each of `variants` (bench/decode_variants.py), captured again in turn: its device time,
+    and per step the launches, microseconds and critical microseconds (critical_path) of the deep kernel and of the
+    experts' products."""
     def times(totals, prefix):
         return [[round(v / reps, 2) for v in values[:3]] for name, values in totals.items() if name.startswith(prefix)]
 
     rows = []
-    try:
-        for spec in variants:
-            tiles, fixed, deep = N.DEEP_TILES[128], [], launch
-            backend.expert_prefetch = spec == "expert-prefetch"
-            if spec in N.DEEP_FORMS:  # the default tiles and splits
-                deep = functools.partial(launch, form=spec)
-            elif not backend.expert_prefetch:
-                kt, stages, *fixed = (int(v) for v in spec.split("x"))
-                tiles = (kt, stages)
-                deep = functools.partial(launch, tiles=tiles)
-            cuda.attention_decode_deep = deep
-            cuda.deep_decode_splits = functools.partial(splits_for, tiles=tiles, fixed=fixed[0] if fixed else None)
-            state.decode_step = backend.compile_step(functools.partial(
-                state.arch.forward, state.config, state.weights, state.workspace, backend, state.cache, 1))
+    for spec in variants:
+        undo = decode_variants.switch(spec, state.backend)
+        try:
+            state.decode_step = state.backend.compile_step(functools.partial(
+                state.arch.forward, state.config, state.weights, state.workspace, state.backend, state.cache, 1))
             step_ms = graph_step_ms(state)
             totals, _ = kernel_times(state, reps)
-            deep = times(totals, "attention_decode_deep")
-            rows.append({"variant": spec, "gpu_ms_per_decode_step": step_ms,
-                         "deep_launches_us_critical_us": deep[0] if deep else None,
-                         "moe_gate_up_launches_us_critical_us": (times(totals, "moe_gate_up") or [None])[0],
-                         "moe_down_launches_us_critical_us": (times(totals, "moe_down") or [None])[0]})
-    finally:
-        cuda.attention_decode_deep, cuda.deep_decode_splits = launch, splits_of
-        backend.expert_prefetch = False
+        finally:
+            undo()
+        deep = times(totals, "attention_decode_deep")
+        rows.append({"variant": spec, "gpu_ms_per_decode_step": step_ms,
+                     "deep_launches_us_critical_us": deep[0] if deep else None,
+                     "moe_gate_up_launches_us_critical_us": (times(totals, "moe_gate_up") or [None])[0],
+                     "moe_down_launches_us_critical_us": (times(totals, "moe_down") or [None])[0]})
     return rows
 
 
@@ -159,7 +139,7 @@ def main() -> None:
     parser.add_argument("--carveout", type=int, help="percent of L1 every kernel prefers as shared memory")
     parser.add_argument("--prefill", action="store_true", help="profile the prompt's prefill, not a decode step")
     parser.add_argument("--variants", nargs="+",
-                        help="decode steps timed in turn after: KTxSTAGES[xSPLITS], a DEEP_FORMS name or expert-prefetch")
+                        help="decode steps timed in turn after (bench/decode_variants.py)")
     args = parser.parse_args()
     from engine.kernels import cuda
 

@@ -56,6 +56,9 @@ STREAM_MIN_TOKENS = 32
 # 16 host cores; bench/RESULTS.md): 3 took the decode step from 12.31 to 7.98 ms on the H200 machine (2: 8.87), from
 # 9.31 to 7.36 ms on an H100 machine (4: 9.09).
 EXPERTS_OVER_BUS = 3
+# Whether the experts' gate/up products ask L2 for the down products' rows (cuda.moe_gate_up's down). Off until a
+# GPU has timed it (bench/decode_variants.py's "expert-prefetch").
+EXPERT_PREFETCH = False
 
 
 def unavailable_reason() -> str | None:
@@ -133,9 +136,7 @@ class CupyBackend:
         self._host_stage: dict[str, np.ndarray] = {}  # pinned: one token's expert input and output
         self._expert_stream: expert_stream.ExpertStream | None = None  # made with a chunk's first streamed layer
         self.experts_over_bus = EXPERTS_OVER_BUS  # read when a decode step's graph is made
-        # Whether the experts' gate/up products ask L2 for the down products' rows (cuda.moe_gate_up's down). Off
-        # until a GPU has timed it: bench/profile_decode.py --variants expert-prefetch captures a step with it on.
-        self.expert_prefetch = False
+        self.expert_prefetch = EXPERT_PREFETCH  # read when a decode step's graph is made
         self._bus_weights: dict[int, tuple[K.CpuLayoutWeight, ...]] = {}  # id of a layer's gate -> its over_bus views
         self._closed = False
 
