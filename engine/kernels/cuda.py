@@ -639,9 +639,10 @@ def attention_decode(q, k, v, cos, sin, neox: bool, k_cache, v_cache, start, out
 SPLIT_MIN_KEYS, MAX_SPLITS = 128, 64  # attention.cu: fewest keys a decode split takes, most splits a merge reads
 SPLIT_BLOCKS_PER_SM = 2
 SPLIT_CONTEXT = 8192  # before sm_90: caches from this many positions decode with a split form
-# sm_90: decode steps from this position on take attention_decode_deep. The cluster kernel took 7.29 us against
-# 11.06 at 511 keys and 14.4 against 15.3 at 2,047, 24.8 against 16.9 at 4,095 (8B shape, H200).
-DEEP_DECODE_KEYS = 4096
+# sm_90: decode steps from this position on take attention_decode_deep. In the model's decode step (H100, session
+# 25, bench/profile_decode.py) the cluster kernel took 20.6 us a layer at 1,024 keys (Qwen3-30B-A3B) and 31.7 at 2,048
+# (Qwen3-8B), the deep kernel 18.7 at 4,096 (30B) and 25.0 at 8,192 (8B), and it takes no longer at fewer keys.
+DEEP_DECODE_KEYS = 2048
 DEEP_WARPS = 4  # attention.cu DEEP_WARPS
 # Most splits of a KV head's keys for attention_decode_deep. When its last block merged every split alone, 4 KV heads
 # at 4,095 keys took 19.39 us at the 33 splits of one wave, 17.61 at 24 (H100, s14call2_attention.jsonl); with the
