@@ -1,10 +1,9 @@
 """GPU decode-step variants a bench switches on by name, for graphs captured after the switch; not a test.
 
 A variant is "KTxSTAGES[xSPLITS]" (the deep attention kernel with tiles of kernel_names.DEEP_TILES or DEEP_SWEEP,
-heads of 128, SPLITS in place of cuda.deep_decode_splits'), a sweep form of kernel_names.DEEP_FORMS (e.g. "late",
-the default tiles and splits), "expert-prefetch" (the experts' gate/up products asking L2 for the down products'
-rows: backend_cupy.EXPERT_PREFETCH), "deep" (the deep kernel's graph at every position, not only from
-cuda.DEEP_DECODE_KEYS on) or "default".
+heads of 128, SPLITS in place of cuda.deep_decode_splits'), a sweep form of kernel_names.DEEP_FORMS (e.g. "bulk",
+the default tiles and splits), "deep" (the deep kernel's graph at every position, not only from
+cuda.DEEP_DECODE_KEYS' on) or "default".
 """
 
 from __future__ import annotations
@@ -14,24 +13,22 @@ from typing import Callable
 
 
 def switch(spec: str, backend=None) -> Callable[[], None]:
-    """Make graphs captured from now on run `spec` (for `backend` too where one is loaded: the backend reads
-    expert_prefetch when it captures; a backend made later takes EXPERT_PREFETCH). Returns what undoes it."""
-    from engine import backend_cupy
+    """Make graphs captured from now on run `spec` (for `backend` too where one is loaded: it set its deep_from
+    with its KV cache). Returns what undoes it."""
     from engine.kernels import cuda
     from engine.kernels import kernel_names as N
 
-    launch, splits_of, prefetch = cuda.attention_decode_deep, cuda.deep_decode_splits, backend_cupy.EXPERT_PREFETCH
-    deep_from = cuda.DEEP_DECODE_KEYS
+    launch, splits_of, deep_keys = cuda.attention_decode_deep, cuda.deep_decode_splits, cuda.DEEP_DECODE_KEYS
     tiles, fixed, deep = N.DEEP_TILES[128], None, launch
     if spec in N.DEEP_FORMS:
         deep = functools.partial(launch, form=spec)
     elif spec == "deep":
-        cuda.DEEP_DECODE_KEYS = 0
-    elif spec not in ("default", "expert-prefetch"):
+        cuda.DEEP_DECODE_KEYS = dict.fromkeys(deep_keys, 0)
+    elif spec != "default":
         try:
             kt, stages, *rest = (int(v) for v in spec.split("x"))
         except ValueError:
-            raise ValueError(f"no decode variant {spec!r}: KTxSTAGES[xSPLITS], default, deep, expert-prefetch or one of "
+            raise ValueError(f"no decode variant {spec!r}: KTxSTAGES[xSPLITS], default, deep or one of "
                              f"{sorted(N.DEEP_FORMS)}") from None
         tiles, fixed = (kt, stages), rest[0] if rest else None
         deep = functools.partial(launch, tiles=tiles)
@@ -40,14 +37,13 @@ def switch(spec: str, backend=None) -> Callable[[], None]:
         return fixed or splits_of(max_tokens, n_kv, hd, tiles, kv)
 
     cuda.attention_decode_deep, cuda.deep_decode_splits = deep, splits_for
-    backend_cupy.EXPERT_PREFETCH = spec == "expert-prefetch"
-    if backend is not None:
-        backend.expert_prefetch = backend_cupy.EXPERT_PREFETCH
+    loaded_from = backend.deep_from if backend is not None else None
+    if backend is not None and spec == "deep":
+        backend.deep_from = 0
 
     def undo() -> None:
-        cuda.attention_decode_deep, cuda.deep_decode_splits, cuda.DEEP_DECODE_KEYS = launch, splits_of, deep_from
-        backend_cupy.EXPERT_PREFETCH = prefetch
+        cuda.attention_decode_deep, cuda.deep_decode_splits, cuda.DEEP_DECODE_KEYS = launch, splits_of, deep_keys
         if backend is not None:
-            backend.expert_prefetch = prefetch
+            backend.deep_from = loaded_from
 
     return undo

@@ -14,11 +14,11 @@ wall time (host clock, to the last kernel's end). --carveout P: every kernel pre
 multiprocessor's L1 as shared memory (CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT), so kernels of unlike
 shared memory need not wait for an SM to be reconfigured before they share it. --variants V ... then captures the
 decode graph again with each listed variant (bench/decode_variants.py: deep kernel tiles and splits, its sweep forms,
-expert-prefetch) and prints a line for each: its step's device time and, per step, the deep kernel's times and the
-experts' products' (critical_path), on the one loaded model.
+the deep graph at every depth) and prints a line for each: its step's device time and, per step, the deep kernel's
+times and the experts' products' (critical_path), on the one loaded model.
 
 Usage: python bench/profile_decode.py MODEL.gguf [--prompt 512] [--reps 20] [--experts-in-ram N] [--top 25]
-       [--deep-phases] [--carveout P] [--prefill] [--variants 16x4 16x6x33 expert-prefetch]
+       [--deep-phases] [--carveout P] [--prefill] [--variants default 16x2x32 bulk deep]
 """
 
 from __future__ import annotations
@@ -190,7 +190,8 @@ def main() -> None:
     }), flush=True)
     if args.variants and not args.prefill:
         for row in step_variants(state, args.variants, args.reps):
-            print(json.dumps({"model": model.info.name, "gpu": gpu_name(), "depth": args.prompt, **row}), flush=True)
+            print(json.dumps({"model": model.info.name, "file": args.model.name, "gpu": gpu_name(), "depth": args.prompt,
+                              **row}), flush=True)
     model.close()
 
 

@@ -56,9 +56,6 @@ STREAM_MIN_TOKENS = 32
 # 16 host cores; bench/RESULTS.md): 3 took the decode step from 12.31 to 7.98 ms on the H200 machine (2: 8.87), from
 # 9.31 to 7.36 ms on an H100 machine (4: 9.09).
 EXPERTS_OVER_BUS = 3
-# Whether the experts' gate/up products ask L2 for the down products' rows (cuda.moe_gate_up's down). Off until a
-# GPU has timed it (bench/decode_variants.py's "expert-prefetch").
-EXPERT_PREFETCH = False
 
 
 def unavailable_reason() -> str | None:
@@ -127,6 +124,7 @@ class CupyBackend:
         self._scratch: dict[str, Any] = {}
         self._graphs: list[Any] = []
         self._deep_decode = False  # the graph being made is for deep positions (compile_step)
+        self.deep_from = float("inf")  # decode positions from which steps take the deep graph (set with the KV cache)
         self._id_slots: tuple[np.ndarray, list[Any]] | None = None  # sample_feed's pinned ids and their events
         self._id_next = 0
         self._host_calls: HostCalls | None = None  # made when a layer's experts are placed in RAM
@@ -136,7 +134,6 @@ class CupyBackend:
         self._host_stage: dict[str, np.ndarray] = {}  # pinned: one token's expert input and output
         self._expert_stream: expert_stream.ExpertStream | None = None  # made with a chunk's first streamed layer
         self.experts_over_bus = EXPERTS_OVER_BUS  # read when a decode step's graph is made
-        self.expert_prefetch = EXPERT_PREFETCH  # read when a decode step's graph is made
         self._bus_weights: dict[int, tuple[K.CpuLayoutWeight, ...]] = {}  # id of a layer's gate -> its over_bus views
         self._closed = False
 
@@ -210,6 +207,7 @@ class CupyBackend:
                 f"{', '.join(map(str, K.HEAD_DIMS))}. Run it on the CPU with device='cpu'."
             )
         check_kv_cache_type(kind)
+        self.deep_from = K.deep_decode_from(head_dim)
         if kind == "full":
             shape = (n_layers, n_kv_heads, max_tokens, head_dim)
             return self._hold(KVCache(cupy.zeros(shape, GPU_KV_DTYPE), cupy.zeros(shape, GPU_KV_DTYPE)))
@@ -259,14 +257,14 @@ class CupyBackend:
     def compile_step(self, step: Callable[[], None]) -> Callable[[int], None]:
         """The first call runs `step` directly (compiling kernels and sizing scratch), then captures it as a CUDA
         graph whose kernels overlap their predecessors' tails (K.programmatic_launches); later calls replay the
-        graph: one launch per decode step, no host synchronization in it. Deep positions (K.deep_decode) get a
+        graph: one launch per decode step, no host synchronization in it. Deep positions (from deep_from on) get a
         graph of their own, whose decode attention splits the keys of each KV head over the GPU."""
         graphs: dict[bool, Any] = {}
 
         def run(position: int) -> None:
             # The graph reuses only int8 groups its own kernels made; its replays write where Q8Sets cannot see.
             self._q8_holds.forget()
-            deep = K.deep_decode(position)
+            deep = position >= self.deep_from
             if deep in graphs:
                 if self._host_calls is not None:
                     self._host_calls.arm()
@@ -455,7 +453,7 @@ class CupyBackend:
             x_q8 = self._quantized_input(x) if n == 1 else self._q8_scratch(self._buffer, "moe_x", x.size)
             if n > 1:
                 K.quantize_q8(x, x_q8)
-        K.moe_gate_up(gate, up, x, x_q8, ids, hidden, act, down if self.expert_prefetch else None)
+        K.moe_gate_up(gate, up, x, x_q8, ids, hidden, act)
         if down.quantized:
             # A prompt chunk's scratch grows as needed; decode's keeps the address its captured graph holds.
             h_q8 = self._q8_scratch(self._buffer if n > 1 else self._decode_buffer, "moe_hidden", hidden.size)

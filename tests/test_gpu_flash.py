@@ -1,7 +1,7 @@
 """Flash attention of prompt chunks on tensor cores (engine/kernels/flash_attention.cu) against the NumPy reference
 on fresh random inputs, a 4K-token prompt through a tiny model against the older chunk path, and decode steps past
-K.DEEP_DECODE_KEYS (their own graph, keys split over the GPU) against the cluster kernel (needs CuPy and a GPU of
-compute capability 8.0 or newer)."""
+K.DEEP_DECODE_KEYS' position (their own graph, keys split over the GPU) against the cluster kernel (needs CuPy and a
+GPU of compute capability 8.0 or newer)."""
 
 import sys
 from pathlib import Path
@@ -109,19 +109,20 @@ def test_long_prompt_logits_match_the_older_chunk_path(tmp_path, monkeypatch):
 
 @pytest.mark.skipif(not K.cluster_decode_attention(), reason="the deep decode graph is sm_90's")
 def test_deep_decode_attention_splits_the_keys_and_matches_the_cluster_kernel(tmp_path, monkeypatch):
-    """Decode steps from K.DEEP_DECODE_KEYS on replay a graph of their own whose attention is
-    attention_decode_deep; their logits equal the cluster kernel's (every step on the shallow graph) within fp16
-    rounding, on the step that captures the deep graph and on a replay of it."""
+    """Decode steps from K.DEEP_DECODE_KEYS' position on (for the tiny model's heads of 64) replay a graph of their
+    own whose attention is attention_decode_deep; their logits equal the cluster kernel's (every step on the shallow
+    graph) within fp16 rounding, on the step that captures the deep graph and on a replay of it."""
     path = tmp_path / "tiny.gguf"
     shape = dict(hidden=256, layers=2, ffn=768, heads=4, kv_heads=2, vocab=1000, tied=False)
     write_model(path, shape, T.Q8_0, "tiny", seed=int(np.random.default_rng().integers(1 << 30)))
-    ids = np.random.default_rng().integers(2, 1000, K.DEEP_DECODE_KEYS + 6).tolist()
+    depth = K.DEEP_DECODE_KEYS[64]
+    ids = np.random.default_rng().integers(2, 1000, depth + 6).tolist()
     split_launches = []
     split = K.attention_decode_deep
     monkeypatch.setattr(K, "attention_decode_deep", lambda *a, **kw: (split_launches.append(1), split(*a, **kw)))
 
     def decode_logits() -> list[np.ndarray]:
-        model = load_model(path, device="cuda", context_length=K.DEEP_DECODE_KEYS + 64)
+        model = load_model(path, device="cuda", context_length=depth + 64)
         try:
             return [model.prompt_logits(ids[:n])[0] for n in (len(ids) - 1, len(ids))]
         finally:
@@ -129,11 +130,11 @@ def test_deep_decode_attention_splits_the_keys_and_matches_the_cluster_kernel(tm
 
     deep = decode_logits()
     assert len(split_launches) == 2 * 2  # each layer once run directly, once captured; replays launch the graph
-    monkeypatch.setattr(K, "deep_decode", lambda position: False)
+    monkeypatch.setattr(K, "deep_decode_from", lambda head_dim: float("inf"))
     shallow = decode_logits()
     assert len(split_launches) == 4
     for ours, theirs in zip(deep, shallow):
         spread = theirs.max() - theirs.min()
         diff = np.abs(ours - theirs).max()
-        print(f"decode at depth {K.DEEP_DECODE_KEYS}: largest logit difference {diff:.2e} of a logit range {spread:.2f}")
+        print(f"decode at depth {depth}: largest logit difference {diff:.2e} of a logit range {spread:.2f}")
         assert np.isfinite(ours).all() and diff < 2e-3 * spread

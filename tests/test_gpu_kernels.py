@@ -454,9 +454,8 @@ def test_attention_decode_deep_tile_shapes(tiles, heads, kv):
 @pytest.mark.parametrize("form", sorted(N.DEEP_FORMS))
 @pytest.mark.parametrize("heads,kv", [(32, 8), (32, 4)])
 def test_attention_decode_deep_sweep_forms(form, heads, kv):
-    """The deep kernel's sweep-only forms (timeline recorded, the next kernel launched late, no keys or one tile a
-    warp fetched before the wait, tiles fetched by bulk copies, keys split at whole tiles, the warps' results weighed
-    once a head) compute what the backend's form does."""
+    """The deep kernel's sweep-only forms (timeline recorded, tiles fetched by bulk copies) compute what the
+    backend's form does."""
     if form == "bulk" and not K.cluster_decode_attention():
         pytest.skip("bulk copies need sm_90 or newer")
     done = K.counters(2 * kv)

@@ -301,14 +301,15 @@ def test_a_q8_0_cache_model_matches_the_fp16_cache(tmp_path):
 
 @pytest.mark.skipif(not K.cluster_decode_attention(), reason="the cluster kernel is sm_90's")
 def test_decode_on_a_q8_0_cache_matches_the_cluster_kernel(tmp_path, monkeypatch):
-    """Decode steps past K.DEEP_DECODE_KEYS on a q8_0 cache, on the kernel the backend picks for it
-    (attention_decode_deep, its tiles converted in shared memory) against the cluster kernel on the same cache
-    (its rows converted as read), within fp16 rounding."""
+    """Decode steps past K.DEEP_DECODE_KEYS' position (heads of 64) on a q8_0 cache, on the kernel the backend
+    picks for it (attention_decode_deep, its tiles converted in shared memory) against the cluster kernel on the same
+    cache (its rows converted as read), within fp16 rounding."""
     path = tiny_model(tmp_path, kv_heads=2)
-    ids = np.random.default_rng().integers(2, 1000, K.DEEP_DECODE_KEYS + 6).tolist()
+    depth = K.DEEP_DECODE_KEYS[64]
+    ids = np.random.default_rng().integers(2, 1000, depth + 6).tolist()
 
     def decode_logits() -> list[np.ndarray]:
-        model = load_model(path, device="cuda", context_length=K.DEEP_DECODE_KEYS + 64, kv_cache_type="q8_0")
+        model = load_model(path, device="cuda", context_length=depth + 64, kv_cache_type="q8_0")
         try:
             return [model.prompt_logits(ids[:n])[0] for n in (len(ids) - 1, len(ids))]
         finally:
@@ -323,5 +324,5 @@ def test_decode_on_a_q8_0_cache_matches_the_cluster_kernel(tmp_path, monkeypatch
     cluster = decode_logits()
     for ours, theirs in zip(picked, cluster):
         diff, spread = logit_gap(ours, theirs)
-        print(f"q8_0 cache, decode at depth {K.DEEP_DECODE_KEYS}: largest logit difference {diff:.2e} of {spread:.2f}")
+        print(f"q8_0 cache, decode at depth {depth}: largest logit difference {diff:.2e} of {spread:.2f}")
         assert np.isfinite(ours).all() and diff < 2e-3 * spread

@@ -140,23 +140,8 @@ def skewed_routes(n, n_experts, top_k, rng):
                          ids=["1", "7", "100", "150-skewed"])
 @pytest.mark.parametrize("gate_type,down_type", MIXES, ids=lambda t: t.name)
 def test_moe_ffn(gate_type, down_type, n, routing):
-    check_moe_ffn(gate_type, down_type, n, routing)
-
-
-@pytest.mark.parametrize("n", [1, 7])
-@pytest.mark.parametrize("gate_type,down_type", MIXES[:3], ids=lambda t: t.name)
-def test_moe_ffn_with_the_down_rows_asked_of_l2_first(gate_type, down_type, n):
-    """The gate/up products' prefetch of the chosen experts' down rows (the backend's expert_prefetch) leaves the
-    result as it is: the launch takes the down weights' planes and their bytes an expert."""
-    check_moe_ffn(gate_type, down_type, n, routes, prefetch=True)
-
-
-def check_moe_ffn(gate_type, down_type, n, routing, prefetch=False):
-    """The backend's moe_ffn on random stacked experts against the reference's, on int8 activations where the
-    weights are quantized (fp16 ones for grouped products)."""
     rng = np.random.default_rng()
     backend = CupyBackend()
-    backend.expert_prefetch = prefetch
     n_experts, top_k, f, d = 16, 4, 512, 768
     gate, gate_f = stacked("gate_exps", gate_type, (n_experts, f, d), rng)
     up, up_f = stacked("up_exps", gate_type, (n_experts, f, d), rng)

@@ -64,41 +64,18 @@ __device__ __forceinline__ void combine_splits(const float* p, int n_splits, int
 // One block's partial result for each query head h < group of its KV head, from its 4 warps' (acc, max, sum) in
 // shared memory (acc[(w rows + h) HD + d], m[w rows + h], l likewise) and, where own_s is not null, the step's own
 // token (score own_s[h], value own_v): HD + 2 floats at part + h n_splits (HD + 2), the block's split's place.
-// SCALED (a sweep form of the deep kernel): each head's maximum and its warps' weights exp2(m - top) computed once,
-// by a thread a head, not once for each of the head's HD + 2 values; the same values, fewer dependent steps a value.
-template <int HD, bool SCALED = false>
+template <int HD>
 __device__ __forceinline__ void store_block_partial(const float* acc, const float* m, const float* l, int rows,
                                                     const float* own_s, const float* own_v, int group, float* part,
                                                     int n_splits) {
-    __shared__ float weights[SCALED ? 16 : 1][6];  // a head's 4 warps', the own token's, then its maximum
-    if constexpr (SCALED) {
-        if (threadIdx.x < group) {
-            const int h = threadIdx.x;
-            float top = own_s != nullptr ? own_s[h] : NEG_INF;
-#pragma unroll
-            for (int w = 0; w < 4; ++w) top = fmaxf(top, m[w * rows + h]);
-#pragma unroll
-            for (int w = 0; w < 4; ++w) weights[h][w] = exp2f(m[w * rows + h] - top);
-            weights[h][4] = own_s != nullptr ? exp2f(own_s[h] - top) : 0.0f;
-            weights[h][5] = top;
-        }
-        __syncthreads();
-    }
     for (int i = threadIdx.x; i < group * (HD + 2); i += blockDim.x) {
         const int h = i / (HD + 2), d = i % (HD + 2);
-        float top, f[5];
-        if constexpr (SCALED) {
-            top = weights[h][5];
+        float top = own_s != nullptr ? own_s[h] : NEG_INF, f[5];
 #pragma unroll
-            for (int w = 0; w < 5; ++w) f[w] = weights[h][w];
-        } else {
-            top = own_s != nullptr ? own_s[h] : NEG_INF;
+        for (int w = 0; w < 4; ++w) top = fmaxf(top, m[w * rows + h]);
 #pragma unroll
-            for (int w = 0; w < 4; ++w) top = fmaxf(top, m[w * rows + h]);
-#pragma unroll
-            for (int w = 0; w < 4; ++w) f[w] = exp2f(m[w * rows + h] - top);
-            f[4] = own_s != nullptr ? exp2f(own_s[h] - top) : 0.0f;
-        }
+        for (int w = 0; w < 4; ++w) f[w] = exp2f(m[w * rows + h] - top);
+        f[4] = own_s != nullptr ? exp2f(own_s[h] - top) : 0.0f;
         float v = d == HD ? top : 0.0f;
         if (d != HD) {
 #pragma unroll
@@ -809,11 +786,8 @@ __device__ __forceinline__ void deep_phase(int i) {
 }
 
 // The deep kernel's forms: the one the backend launches, and sweep-only copies (kernel_names.DEEP_FORMS) that record
-// their timeline (deep_phases), let the next kernel launch only at their end, fetch no keys or a warp's first tile
-// alone before their dependency wait, fetch their tiles by bulk copies (sm_90+, fp16 caches, 16-key tiles), or split
-// the keys at whole tiles rather than at whole rounds of the block's warps (every split active, a split's warps
-// uneven by a tile), or weigh the warps' results once a head (store_block_partial's SCALED).
-enum DeepForm { DEEP_PLAIN, DEEP_TIMED, DEEP_LATE, DEEP_AFTER, DEEP_ONE, DEEP_BULK, DEEP_FINE, DEEP_SCALED };
+// their timeline (deep_phases) or fetch their tiles by bulk copies (sm_90+, fp16 caches, 16-key tiles).
+enum DeepForm { DEEP_PLAIN, DEEP_TIMED, DEEP_BULK };
 
 template <int D, int KT, int STAGES, bool Q8, int FORM = DEEP_PLAIN>
 __device__ __forceinline__ void attention_decode_deep_impl(
@@ -836,8 +810,7 @@ __device__ __forceinline__ void attention_decode_deep_impl(
     const int group = n_heads / n_kv, pos = start[0];
     const int first = window > 0 ? max(0, pos - window + 1) : 0;
     const int len = pos + 1 - first;
-    constexpr int GRAIN = FORM == DEEP_FINE ? KT : UNIT;
-    const int per = max(UNIT, (len + GRAIN * n_splits - 1) / (GRAIN * n_splits) * GRAIN);
+    const int per = max(UNIT, (len + UNIT * n_splits - 1) / (UNIT * n_splits) * UNIT);
     const int active = (len + per - 1) / per;
     if (split >= active) return;
     const int lo = first + split * per, hi = min(lo + per, pos + 1), cached_hi = min(hi, pos);
@@ -871,16 +844,9 @@ __device__ __forceinline__ void attention_decode_deep_impl(
         if (lane < STAGES) bulk_barrier_init(bars + lane);
         __syncwarp();
     }
-    constexpr int EARLY = FORM == DEEP_AFTER ? 0 : FORM == DEEP_ONE ? 1 : STAGES - 1;  // tiles asked before the wait
 #pragma unroll
-    for (int i = 0; i < EARLY; ++i) fetch(i);
-    if constexpr (FORM == DEEP_LATE) {
-        grid_dependency_wait();
-    } else {
-        grid_dependency_sync();
-    }
-#pragma unroll
-    for (int i = EARLY; i < STAGES - 1; ++i) fetch(i);
+    for (int i = 0; i < STAGES - 1; ++i) fetch(i);
+    grid_dependency_sync();
     deep_phase<FORM == DEEP_TIMED>(1);
 
     const float* cos_p = cos_t + (long)pos * (rot / 2);
@@ -1017,7 +983,7 @@ __device__ __forceinline__ void attention_decode_deep_impl(
     }
     __syncthreads();
     deep_phase<FORM == DEEP_TIMED>(4);
-    store_block_partial<D, FORM == DEEP_SCALED>(wacc, &wm[0][0], &wl[0][0], 16, own ? own_s : nullptr, own_v, group,
+    store_block_partial<D>(wacc, &wm[0][0], &wl[0][0], 16, own ? own_s : nullptr, own_v, group,
                            part + ((long)kvh * group * n_splits + split) * (D + 2), n_splits);
     deep_phase<FORM == DEEP_TIMED>(5);
     merge_splits_together<D, DEEP_WARPS>(part, done, kvh, n_kv, group, n_splits, split, active, out, xq, xq2, xds);
@@ -1053,12 +1019,7 @@ ATTENTION_DECODE_DEEP(128, 16, 6, false, attention_decode_deep_128_kt16_s6)
 ATTENTION_DECODE_DEEP(128, 32, 2, false, attention_decode_deep_128_kt32_s2)
 ATTENTION_DECODE_DEEP(128, 32, 3, false, attention_decode_deep_128_kt32_s3)
 ATTENTION_DECODE_DEEP_P(128, 16, 4, false, DEEP_TIMED, attention_decode_deep_128_phases)
-ATTENTION_DECODE_DEEP_P(128, 16, 4, false, DEEP_LATE, attention_decode_deep_128_late)
-ATTENTION_DECODE_DEEP_P(128, 16, 4, false, DEEP_AFTER, attention_decode_deep_128_after)
-ATTENTION_DECODE_DEEP_P(128, 16, 4, false, DEEP_ONE, attention_decode_deep_128_one)
 ATTENTION_DECODE_DEEP_P(128, 16, 4, false, DEEP_BULK, attention_decode_deep_128_bulk)
-ATTENTION_DECODE_DEEP_P(128, 16, 4, false, DEEP_FINE, attention_decode_deep_128_fine)
-ATTENTION_DECODE_DEEP_P(128, 16, 4, false, DEEP_SCALED, attention_decode_deep_128_scaled)
 #endif
 
 #if __CUDA_ARCH__ >= 900

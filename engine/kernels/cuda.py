@@ -335,28 +335,14 @@ def matvec_glu(gate: GpuWeight, up: GpuWeight, x: Any, q8: Q8 | None, out: Any, 
 
 
 def moe_gate_up(gate: GpuWeight | CpuLayoutWeight, up: GpuWeight | CpuLayoutWeight, x: Any, q8: Q8 | None, ids: Any,
-                hidden: Any, act: int, down: GpuWeight | CpuLayoutWeight | None = None) -> None:
+                hidden: Any, act: int) -> None:
     """hidden (n * top_k, f) = act(gate_e . x[token]) * (up_e . x[token]) for each token's chosen experts e =
-    ids (n, top_k); gate, up: stacked (n_experts, f, k) weights of one type or layout; quantized ones read q8 (x's)
-    and ask L2 for the chosen experts' rows of down, the down product's weights, where those are in device memory
-    and quantized."""
+    ids (n, top_k); gate, up: stacked (n_experts, f, k) weights of one type or layout; quantized ones read q8 (x's)."""
     _, f, k = gate.shape
     slots = ids.size
     src = q8.args() if gate.quantized else (x,)
-    spans = _expert_spans(down) if gate.quantized else ()
     launch("matvec", N.moe("moe_gate_up", gate.suffix), (_blocks(f, WARPS), slots), (32 * WARPS,),
-           (*gate.args(), *up.args(), *src, ids, i32(ids.shape[1]), hidden, i32(f), i32(k), i32(act), *spans))
-
-
-def _expert_spans(down: GpuWeight | CpuLayoutWeight | None) -> tuple[Any, ...]:
-    """moe_gate_up's prefetch arguments: down's q, h, s, d planes, then each one's bytes an expert (0 for a plane
-    the type lacks, which repeats q, and for everything where down is not quantized in device memory)."""
-    if not isinstance(down, GpuWeight) or not down.quantized:
-        return (np.uintp(0),) * 4 + (i64(0),) * 4
-    first = down.planes[0].data.ptr
-    spans = [0 if i and plane.data.ptr == first else plane.nbytes // down.shape[0]
-             for i, plane in enumerate(down.planes)]
-    return (*down.planes, *map(i64, spans))
+           (*gate.args(), *up.args(), *src, ids, i32(ids.shape[1]), hidden, i32(f), i32(k), i32(act)))
 
 
 def moe_down(down: GpuWeight | CpuLayoutWeight, hidden: Any, q8: Q8 | None, ids: Any, weights: Any, out: Any) -> None:
@@ -639,10 +625,12 @@ def attention_decode(q, k, v, cos, sin, neox: bool, k_cache, v_cache, start, out
 SPLIT_MIN_KEYS, MAX_SPLITS = 128, 64  # attention.cu: fewest keys a decode split takes, most splits a merge reads
 SPLIT_BLOCKS_PER_SM = 2
 SPLIT_CONTEXT = 8192  # before sm_90: caches from this many positions decode with a split form
-# sm_90: decode steps from this position on take attention_decode_deep. In the model's decode step (H100, session
-# 25, bench/profile_decode.py) the cluster kernel took 20.6 us a layer at 1,024 keys (Qwen3-30B-A3B) and 31.7 at 2,048
-# (Qwen3-8B), the deep kernel 18.7 at 4,096 (30B) and 25.0 at 8,192 (8B), and it takes no longer at fewer keys.
-DEEP_DECODE_KEYS = 2048
+# sm_90: decode steps from this position on take attention_decode_deep, by head size. Heads of 128: in the model's
+# decode step (H100, session 25, bench/profile_decode.py) the cluster kernel took 20.6 us a layer at 1,024 keys
+# (Qwen3-30B-A3B) and 31.7 at 2,048 (Qwen3-8B), the deep kernel 18.7 at 4,096 (30B) and 25.0 at 8,192 (8B), and it
+# takes no longer at fewer keys. Heads of 64 and 256 keep 4,096, which session 7 chose from kernels alone on heads of
+# 128 (cluster 14.4 us against deep 15.3 at 2,047 keys, 24.8 against 16.9 at 4,095; H200); not measured for them.
+DEEP_DECODE_KEYS = {64: 4096, 128: 2048, 256: 4096}
 DEEP_WARPS = 4  # attention.cu DEEP_WARPS
 # Most splits of a KV head's keys for attention_decode_deep. When its last block merged every split alone, 4 KV heads
 # at 4,095 keys took 19.39 us at the 33 splits of one wave, 17.61 at 24 (H100, s14call2_attention.jsonl); with the
@@ -658,15 +646,16 @@ def decode_splits(max_tokens: int, n_kv: int) -> int:
     return max(1, min(MAX_SPLITS, _blocks(max_tokens, SPLIT_MIN_KEYS), _blocks(SPLIT_BLOCKS_PER_SM * sms, n_kv)))
 
 
-def deep_decode(position: int) -> bool:
-    """Whether a decode step at this position wants its own graph, with the deep form of decode attention."""
-    return cluster_decode_attention() and position >= DEEP_DECODE_KEYS
+def deep_decode_from(head_dim: int) -> float:
+    """The decode position from which steps of a model with heads of `head_dim` take a graph of their own, with the
+    deep form of decode attention (never before sm_90)."""
+    return DEEP_DECODE_KEYS[head_dim] if cluster_decode_attention() else float("inf")
 
 
 def decode_attention_form(n_heads: int, n_kv: int, max_tokens: int, deep: bool, kv: str = "full") -> str:
     """Which kernel a decode step's attention runs: "deep" (attention_decode_deep: tensor cores, GQA groups of at
     most 16) or "split" (attention_decode_split, without tensor cores, groups of at most 8) for a deep step on
-    sm_90+ (deep_decode) or, before sm_90, for caches of at least SPLIT_CONTEXT positions; else "cluster"
+    sm_90+ (deep_decode_from) or, before sm_90, for caches of at least SPLIT_CONTEXT positions; else "cluster"
     (attention_decode, sm_90+) or "partial" (attention's two-kernel form). A q8_0 cache (kv) takes the deep kernel
     at every depth where it runs: it converts whole tiles in shared memory, where the others convert each row they
     read (8B shape on an H100: 12.27 us against the cluster kernel's 17.13 at 511 keys, 9.98 against 9.54 at the

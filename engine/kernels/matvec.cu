@@ -405,31 +405,16 @@ __device__ __forceinline__ void moe_down(const D& down, const int* __restrict__ 
     if ((threadIdx.x & 31) == 0) out[(long)token * d + r] = total;
 }
 
-// The down product's weights of this block's slot's expert, asked of L2 by the gate/up product, the first kernel
-// that knows the expert (after its wait): they stream in beside gate/up's own reads, and the down product, two
-// launches on, finds them in L2 (Qwen3-30B-A3B: 10 MB a token's 8 experts, 50 MB of L2 on an H100). down: the down
-// weights' planes; span: each plane's bytes an expert, 0 for a plane the type lacks or weights read over the bus.
-__device__ __forceinline__ void prefetch_expert(const u8* const (&down)[4], const long (&span)[4], int e) {
-    const long t = (long)blockIdx.x * blockDim.x + threadIdx.x, threads = (long)gridDim.x * blockDim.x;
-    if (e < 0) return;
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-        for (long off = 128 * t; off < span[i]; off += 128 * threads) prefetch_l2_line(down[i] + e * span[i] + off);
-}
-
 // Quantized weights, against int8 activations (the token's x, or the hidden rows of its slots). gate/up: the two
-// matrices' groups in one loop, so each lane has both rows' loads in flight at once (and the slot's expert's down
-// rows asked of L2 first, where span says so). down: the lanes take the
+// matrices' groups in one loop, so each lane has both rows' loads in flight at once. down: the lanes take the
 // (expert, group) pairs of all the token's experts in turn (k / 32 groups a row, 24 for a 768-wide expert, would
 // leave a quarter of the lanes idle one expert at a time), each weighted as it is summed; a lane's order is fixed.
 template <class B>
 __device__ __forceinline__ void moe_gate_up_q(const Planes (&w)[2], const signed char* __restrict__ xq,
                                               const signed char* __restrict__ xq2, const float2* __restrict__ xds,
                                               const int* __restrict__ ids, int top_k, float* __restrict__ hidden,
-                                              int f, int k, int act, const u8* const (&down)[4],
-                                              const long (&span)[4]) {
+                                              int f, int k, int act) {
     const int slot = blockIdx.y, r = blockIdx.x * 4 + threadIdx.x / 32, e = __ldg(ids + slot);
-    prefetch_expert(down, span, e);
     if (r >= f || e < 0) return;
     const long g0 = (long)(slot / top_k) * (k / 32);
     float acc[2] = {0.0f, 0.0f};
@@ -472,12 +457,10 @@ __device__ __forceinline__ void moe_down_q(const Planes& w, const signed char* _
                                                   const u8* q2, const u8* h2, const u8* s2, const u8* d2,      \
                                                   const signed char* xq, const signed char* xq2,               \
                                                   const float2* xds, const int* ids, int top_k, float* hidden, \
-                                                  int f, int k, int act, const u8* dq, const u8* dh,           \
-                                                  const u8* ds, const u8* dd, long nq, long nh, long ns,       \
-                                                  long nd) {                                                   \
+                                                  int f, int k, int act) {                                     \
         grid_dependency_sync();                                                                                \
         const Planes w[2] = {{q, h, s, d}, {q2, h2, s2, d2}};                                                  \
-        moe_gate_up_q<B>(w, xq, xq2, xds, ids, top_k, hidden, f, k, act, {dq, dh, ds, dd}, {nq, nh, ns, nd});  \
+        moe_gate_up_q<B>(w, xq, xq2, xds, ids, top_k, hidden, f, k, act);                                      \
     }                                                                                                          \
     extern "C" __global__ void moe_down_##name(const u8* q, const u8* h, const u8* s, const u8* d,             \
                                                const signed char* xq, const signed char* xq2, const float2* xds, \

@@ -34,13 +34,6 @@ __device__ __forceinline__ void grid_dependency_sync() {
 #endif
 }
 
-// The wait alone: the next kernel is then launched only when this one ends (a sweep-only form of decode attention).
-__device__ __forceinline__ void grid_dependency_wait() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
 __device__ __forceinline__ float h2f(u16 h) {
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
