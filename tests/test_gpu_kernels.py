@@ -453,15 +453,17 @@ def test_attention_decode_deep_tile_shapes(tiles, heads, kv):
 @pytest.mark.skipif(not K.mma_capable(), reason="attention_decode_deep needs sm_80 or newer")
 @pytest.mark.parametrize("form", sorted(N.DEEP_FORMS))
 @pytest.mark.parametrize("heads,kv", [(32, 8), (32, 4)])
-def test_attention_decode_deep_sweep_forms(form, heads, kv):
-    """The deep kernel's sweep-only forms (timeline recorded, tiles fetched by bulk copies) compute what the
-    backend's form does."""
-    if form == "bulk" and not K.cluster_decode_attention():
+@pytest.mark.parametrize("splits", [None, 2], ids=["default-splits", "2-splits"])
+def test_attention_decode_deep_sweep_forms(form, heads, kv, splits):
+    """The deep kernel's sweep-only forms (timeline recorded, tiles fetched by bulk copies, by bulk copies only where
+    a split's keys are few) compute what the backend's form does, with the default's splits (on an H100 or H200
+    128 keys each at 1,901, where "short" takes bulk copies) and with 2 (960 each, where it does not)."""
+    if form in ("bulk", "short") and not K.cluster_decode_attention():
         pytest.skip("bulk copies need sm_90 or newer")
     done = K.counters(2 * kv)
 
     def launch(*args, q8=None):
-        n = K.deep_decode_splits(2048, kv, 128)
+        n = splits or K.deep_decode_splits(2048, kv, 128)
         part = cp.empty(heads * n * (128 + 2), cp.float32)
         K.attention_decode_deep(*args, part, done, q8, splits=n, form=form)
 

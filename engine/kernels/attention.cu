@@ -786,8 +786,12 @@ __device__ __forceinline__ void deep_phase(int i) {
 }
 
 // The deep kernel's forms: the one the backend launches, and sweep-only copies (kernel_names.DEEP_FORMS) that record
-// their timeline (deep_phases) or fetch their tiles by bulk copies (sm_90+, fp16 caches, 16-key tiles).
-enum DeepForm { DEEP_PLAIN, DEEP_TIMED, DEEP_BULK };
+// their timeline (deep_phases), fetch their tiles by bulk copies (sm_90+, fp16 caches, 16-key tiles), or do so only
+// where a split holds at most DEEP_BULK_KEYS keys (a choice the whole launch makes alike).
+enum DeepForm { DEEP_PLAIN, DEEP_TIMED, DEEP_BULK, DEEP_SHORT };
+// Bulk copies against cp.async in the model's decode step (H100, session 25): the Qwen3-30B-A3B shape's step 3.1%
+// shorter at 192 keys a split, even at 384, 6.7% longer at 704; the Qwen3-8B shape's 1.9% longer at 576.
+#define DEEP_BULK_KEYS 256
 
 template <int D, int KT, int STAGES, bool Q8, int FORM = DEEP_PLAIN>
 __device__ __forceinline__ void attention_decode_deep_impl(
@@ -800,12 +804,13 @@ __device__ __forceinline__ void attention_decode_deep_impl(
     constexpr int ROW = D + 8, TILE = Smem::TILE, DK = D / 16, DN = D / 8, KN = KT / 8, UNIT = DEEP_WARPS * KT;
     static_assert(DEEP_WARPS == 4, "store_block_partial merges 4 warps");
     static_assert(Smem::WARP_BYTES >= 16 * D * 4, "the merge reuses the tiles");
-    static_assert(FORM != DEEP_BULK || !Q8, "bulk copies take fp16 tiles");
+    constexpr bool MAY_BULK = FORM == DEEP_BULK || FORM == DEEP_SHORT;
+    static_assert(!MAY_BULK || !Q8, "bulk copies take fp16 tiles");
     extern __shared__ __align__(16) u8 smem[];  // warp w's from smem + w WARP_BYTES
     __shared__ __align__(16) float qs[16][D];
     __shared__ float wm[DEEP_WARPS][16], wl[DEEP_WARPS][16], own_s[16], own_v[D];
     __shared__ float q_squares[16][D / 32];  // with q_norm: each warp's sum of squares of a query head's 32 dims
-    __shared__ unsigned long long stage_bars[FORM == DEEP_BULK ? DEEP_WARPS * STAGES : 1];  // DEEP_BULK's
+    __shared__ unsigned long long stage_bars[MAY_BULK ? DEEP_WARPS * STAGES : 1];  // the bulk copies' own
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int group = n_heads / n_kv, pos = start[0];
     const int first = window > 0 ? max(0, pos - window + 1) : 0;
@@ -813,20 +818,23 @@ __device__ __forceinline__ void attention_decode_deep_impl(
     const int per = max(UNIT, (len + UNIT * n_splits - 1) / (UNIT * n_splits) * UNIT);
     const int active = (len + per - 1) / per;
     if (split >= active) return;
+    const bool bulk = FORM == DEEP_BULK || (FORM == DEEP_SHORT && per <= DEEP_BULK_KEYS);
     const int lo = first + split * per, hi = min(lo + per, pos + 1), cached_hi = min(hi, pos);
     const CacheRows<D, Q8> keys(k_cache, k_scale, kvh, max_tokens), values(v_cache, v_scale, kvh, max_tokens);
     u8* mine = smem + warp * Smem::WARP_BYTES;
     deep_phase<FORM == DEEP_TIMED>(0);
     // The warp's tile i: keys lo + (warp + DEEP_WARPS i) KT .., in buffer i % STAGES. Every call commits a group
     // (empty past the range), so waiting for all but the newest STAGES - 1 groups always means tile i landed.
-    unsigned long long* bars = stage_bars + (FORM == DEEP_BULK ? warp * STAGES : 0);
+    unsigned long long* bars = stage_bars + (MAY_BULK ? warp * STAGES : 0);
     auto fetch = [&](int i) {
         const int j0 = lo + (warp + DEEP_WARPS * i) * KT;
-        if constexpr (FORM == DEEP_BULK) {  // only tiles that hold keys, each waited for below
-            if (j0 < cached_hi)
-                warp_bulk_rows<D, KT>(reinterpret_cast<u16*>(mine + (i % STAGES) * Smem::STAGE_BYTES), keys, values,
-                                      j0, cached_hi, bars + i % STAGES);
-            return;
+        if constexpr (MAY_BULK) {
+            if (bulk) {  // only tiles that hold keys, each waited for below
+                if (j0 < cached_hi)
+                    warp_bulk_rows<D, KT>(reinterpret_cast<u16*>(mine + (i % STAGES) * Smem::STAGE_BYTES), keys,
+                                          values, j0, cached_hi, bars + i % STAGES);
+                return;
+            }
         }
         if (j0 < cached_hi) {
             u8* buf = mine + (i % STAGES) * Smem::STAGE_BYTES;
@@ -840,7 +848,7 @@ __device__ __forceinline__ void attention_decode_deep_impl(
         }
         copies_commit();
     };
-    if constexpr (FORM == DEEP_BULK) {
+    if (bulk) {
         if (lane < STAGES) bulk_barrier_init(bars + lane);
         __syncwarp();
     }
@@ -926,7 +934,7 @@ __device__ __forceinline__ void attention_decode_deep_impl(
     const int n_tiles = (cached_hi - lo + KT - 1) / KT;
     for (int i = 0; warp + DEEP_WARPS * i < n_tiles; ++i) {
         fetch(i + STAGES - 1);
-        if constexpr (FORM == DEEP_BULK) {
+        if (bulk) {
             bulk_wait(bars + i % STAGES, (i / STAGES) & 1);
         } else {
             copies_wait<STAGES - 1>();
@@ -1020,6 +1028,7 @@ ATTENTION_DECODE_DEEP(128, 32, 2, false, attention_decode_deep_128_kt32_s2)
 ATTENTION_DECODE_DEEP(128, 32, 3, false, attention_decode_deep_128_kt32_s3)
 ATTENTION_DECODE_DEEP_P(128, 16, 4, false, DEEP_TIMED, attention_decode_deep_128_phases)
 ATTENTION_DECODE_DEEP_P(128, 16, 4, false, DEEP_BULK, attention_decode_deep_128_bulk)
+ATTENTION_DECODE_DEEP_P(128, 16, 4, false, DEEP_SHORT, attention_decode_deep_128_short)
 #endif
 
 #if __CUDA_ARCH__ >= 900

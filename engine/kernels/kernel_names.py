@@ -58,8 +58,8 @@ PER_HEAD_DIM = {"attention_partial": ("attention", 75), "attention_decode": ("at
 DEEP_TILES = {64: (64, 2), 128: (16, 4), 256: (16, 2)}
 DEEP_SWEEP = {128: ((16, 2), (16, 3), (16, 6), (32, 2), (32, 3))}
 # Sweep-only copies of DEEP_TILES[128]'s fp16 kernel (attention.cu DeepForm): "phases" records its timeline
-# (deep_phases), "bulk" fetches its tiles by bulk copies (sm_90+).
-DEEP_FORMS = {form: f"attention_decode_deep_128_{form}" for form in ("phases", "bulk")}
+# (deep_phases), "bulk" fetches its tiles by bulk copies (sm_90+), "short" only where a split's keys are few.
+DEEP_FORMS = {form: f"attention_decode_deep_128_{form}" for form in ("phases", "bulk", "short")}
 # The gated delta rule (hybrid.cu) is built per key head size, which sets the registers its state takes.
 DELTA_KEY_DIMS = (16, 32, 64, 128)
 # Its chunked prompt form (delta_chunk_prep, delta_chunk_state; tensor cores, sm_80+) per key head size.
