@@ -19,9 +19,8 @@ def switch(spec: str, backend=None) -> Callable[[], None]:
     from engine.kernels import kernel_names as N
 
     launch, splits_of, deep_keys = cuda.attention_decode_deep, cuda.deep_decode_splits, cuda.DEEP_DECODE_KEYS
-    tiles, fixed, deep = N.DEEP_TILES[128], None, launch
     if spec in N.DEEP_FORMS:
-        deep = functools.partial(launch, form=spec)
+        cuda.attention_decode_deep = functools.partial(launch, form=spec)
     elif spec == "deep":
         cuda.DEEP_DECODE_KEYS = dict.fromkeys(deep_keys, 0)
     elif spec != "default":
@@ -31,12 +30,11 @@ def switch(spec: str, backend=None) -> Callable[[], None]:
             raise ValueError(f"no decode variant {spec!r}: KTxSTAGES[xSPLITS], default, deep or one of "
                              f"{sorted(N.DEEP_FORMS)}") from None
         tiles, fixed = (kt, stages), rest[0] if rest else None
-        deep = functools.partial(launch, tiles=tiles)
 
-    def splits_for(max_tokens, n_kv, hd, _tiles=None, kv="full"):  # as the backend and the launcher call it
-        return fixed or splits_of(max_tokens, n_kv, hd, tiles, kv)
+        def splits_for(max_tokens, n_kv, hd, _tiles=None, kv="full"):  # as the backend and the launcher call it
+            return fixed or splits_of(max_tokens, n_kv, hd, tiles, kv)
 
-    cuda.attention_decode_deep, cuda.deep_decode_splits = deep, splits_for
+        cuda.attention_decode_deep, cuda.deep_decode_splits = functools.partial(launch, tiles=tiles), splits_for
     loaded_from = backend.deep_from if backend is not None else None
     if backend is not None and spec == "deep":
         backend.deep_from = 0

@@ -144,7 +144,7 @@ def main() -> None:
     from engine.kernels import cuda
 
     if args.deep_phases:  # the backend looks the launcher up at each capture
-        cuda.attention_decode_deep = functools.partial(cuda.attention_decode_deep, form="phases")
+        decode_variants.switch("phases")
     if args.carveout is not None:
         fetch = cuda.kernel
 
